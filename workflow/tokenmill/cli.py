@@ -1,0 +1,42 @@
+"""`tokenmill <command> ...`: one command per pipeline stage, each implemented in its module.
+
+Modules are imported lazily so that `tokenmill prepare` does not pay for importing torch.
+Each module exposes `main(argv: list[str]) -> int`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "check-config": ("tokenmill.config_cli", "validate a config file and print it resolved"),
+    "prepare": ("tokenmill.prepare", "sources of one category -> normalized prompts"),
+    "tokenize": ("tokenmill.tokenize", "prompts of one category -> tokenized shards"),
+    "generate": ("tokenmill.generate", "one tokenized shard -> generated token shard"),
+    "serve-reference": ("tokenmill.reference_server", "CPU engine speaking SGLang's native API"),
+    "merge": ("tokenmill.merge", "tokenized + generated shard -> validated training shard"),
+    "stats": ("tokenmill.stats", "summary statistics, tables and plots"),
+    "provenance": ("tokenmill.provenance", "write provenance.json for a finished run"),
+    "verify": ("tokenmill.verify", "check a directory against a provenance file"),
+    "make-tiny-model": ("tokenmill.tiny", "build the tiny offline tokenizer and model"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: tokenmill <command> [options]", "", "commands:"]
+    lines += [f"  {name:<16} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"tokenmill: unknown command '{name}'\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)

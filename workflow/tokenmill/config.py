@@ -1,0 +1,147 @@
+"""Configuration: schema validation with defaults, then checks the schema cannot express.
+
+Used by the Snakefile (so a bad config fails before any job starts) and by every CLI stage
+(which receives the resolved config as a JSON file). Errors name the key and what was expected.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import json
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending key in the message."""
+
+
+def _key(path) -> str:
+    parts = [str(p) for p in path]
+    return ".".join(parts) if parts else "<top level>"
+
+
+def _with_defaults(validator_class):
+    validate_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if "default" in sub and name not in instance:
+                    instance[name] = json.loads(json.dumps(sub["default"]))
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
+
+
+def load_schema() -> dict:
+    with open(SCHEMA_PATH) as f:
+        return yaml.safe_load(f)
+
+
+def _describe(error: jsonschema.ValidationError) -> str:
+    key = _key(error.absolute_path)
+    if error.validator == "additionalProperties":
+        return f"config key '{key}': {error.message}"
+    if error.validator == "required":
+        return f"config key '{key}': {error.message}"
+    if error.validator == "oneOf" and error.context:
+        best = jsonschema.exceptions.best_match(error.context)
+        return f"config key '{key}': {best.message}"
+    expected = error.schema.get("description") or error.schema.get("type") or ""
+    hint = f" (expected {expected})" if expected and error.validator != "type" else ""
+    return f"config key '{key}': {error.message}{hint}"
+
+
+def validate_schema(config: dict) -> dict:
+    """Validate against the JSON schema and fill in defaults (in place). Raises ConfigError."""
+    validator = _with_defaults(jsonschema.Draft202012Validator)(load_schema())
+    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(_describe(e) for e in errors))
+    return config
+
+
+def _is_hub_id(path: str) -> bool:
+    # "org/name" with no local counterpart is a hub id; anything else is a local path.
+    return path.count("/") == 1 and not path.startswith((".", "/")) and not Path(path).exists()
+
+
+def check_semantics(config: dict, basedir: str | Path = ".") -> None:
+    """Checks beyond the schema: files exist, hooks import, formats have what they need."""
+    base = Path(basedir)
+    problems: list[str] = []
+    tok = config["tokenizer"]
+    tok_path = tok["path"]
+    if not (base / tok_path).exists() and not _is_hub_id(tok_path):
+        problems.append(
+            f"config key 'tokenizer.path': '{tok_path}' is neither an existing directory "
+            "nor a Hugging Face hub id (org/name)"
+        )
+    if tok.get("chat_template") and not (base / tok["chat_template"]).is_file():
+        problems.append(
+            f"config key 'tokenizer.chat_template': file '{tok['chat_template']}' does not exist"
+        )
+    for name, cat in config["categories"].items():
+        for i, src in enumerate(cat["sources"]):
+            spec = normalize_source(src, cat)
+            key = f"categories.{name}.sources.{i}"
+            if "path" in spec and not glob.glob(str(base / spec["path"])):
+                problems.append(f"config key '{key}': no file matches '{spec['path']}'")
+        fmt_formats = {normalize_source(s, cat)["format"] for s in cat["sources"]}
+        if "hook" in fmt_formats:
+            hook = cat.get("hook")
+            if not hook:
+                problems.append(
+                    f"config key 'categories.{name}.hook': format 'hook' needs "
+                    "hook: 'module:function'"
+                )
+            else:
+                try:
+                    load_hook(hook)
+                except Exception as exc:  # noqa: BLE001 - reported with the key
+                    problems.append(f"config key 'categories.{name}.hook': {exc}")
+    gen = config.get("generation", {})
+    if gen:
+        if "model" not in gen:
+            problems.append("config key 'generation.model': required (the model to serve)")
+        if gen.get("mode") == "managed" and not gen.get("launch", {}).get("command"):
+            problems.append("config key 'generation.launch.command': required in managed mode")
+        if gen.get("mode") == "external" and not gen.get("external", {}).get("urls"):
+            problems.append("config key 'generation.external.urls': required in external mode")
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def normalize_source(src, category: dict) -> dict:
+    """A source as a dict: {path, format} or {hub, config, split, revision, format}."""
+    spec = {"path": src} if isinstance(src, str) else dict(src)
+    spec.setdefault("format", category["format"])
+    return spec
+
+
+def load_hook(spec: str):
+    module_name, _, func_name = spec.partition(":")
+    module = importlib.import_module(module_name)
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise ConfigError(f"'{spec}': module '{module_name}' has no function '{func_name}'")
+    return func
+
+
+def check_config(config: dict, basedir: str | Path = ".") -> dict:
+    """Full check (schema + semantics). Returns the config with defaults filled in."""
+    validate_schema(config)
+    check_semantics(config, basedir)
+    return config
+
+
+def load_config(path: str | Path, basedir: str | Path = ".") -> dict:
+    with open(path) as f:
+        config = yaml.safe_load(f) if str(path).endswith((".yaml", ".yml")) else json.load(f)
+    return check_config(config, basedir)

@@ -1,0 +1,199 @@
+"""Data contracts between stages: one Arrow schema per stage output, one writer for all.
+
+Every stage reads and writes through this module so that columns, types and writer
+options stay the same everywhere. Files are written deterministically (fixed writer
+options, no timestamps) and atomically (temporary file, then rename), so identical
+inputs give byte-identical files and a killed job never leaves a half-written file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+# Bump when a column is added, removed or changes meaning; it travels in every file's metadata.
+SCHEMA_VERSION = "1"
+
+# Parquet key/value metadata keys (bytes on disk, str here).
+META_SCHEMA_VERSION = "tokenmill.schema_version"
+META_STAGE = "tokenmill.stage"
+META_TOKENIZER_FINGERPRINT = "tokenmill.tokenizer_fingerprint"
+META_GENERATION_FINGERPRINT = "tokenmill.generation_fingerprint"
+META_CATEGORY = "tokenmill.category"
+META_SHARD = "tokenmill.shard"
+
+# prepare: results/prompts/{category}.parquet
+# messages and tools are canonical JSON (sorted keys, no spaces): conversations are
+# free-form (tool calls, arbitrary tool schemas), which Arrow structs represent badly.
+PROMPTS = pa.schema(
+    [
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("source", pa.string(), nullable=False),  # file:line or hub:name/split#row
+        pa.field("messages", pa.large_string(), nullable=False),
+        pa.field("tools", pa.large_string(), nullable=True),
+    ]
+)
+
+# tokenize: results/tokenized/{category}/{shard}.parquet
+TOKENIZED = pa.schema(
+    [
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("num_prompt_tokens", pa.int32(), nullable=False),
+    ]
+)
+
+# generate: results/generated/{category}/{shard}.parquet
+GENERATED = pa.schema(
+    [
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("sample_key", pa.string(), nullable=False),
+        pa.field("output_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("finish_type", pa.string(), nullable=True),  # stop | length | abort | null
+        pa.field("finish_matched_id", pa.int64(), nullable=True),  # matched stop token id
+        pa.field("finish_matched_str", pa.string(), nullable=True),  # matched stop string
+        pa.field("prompt_tokens", pa.int32(), nullable=True),
+        pa.field("completion_tokens", pa.int32(), nullable=True),
+        pa.field("cached_tokens", pa.int32(), nullable=True),
+        pa.field("latency_s", pa.float64(), nullable=True),
+        pa.field("server", pa.string(), nullable=True),  # which server answered
+        pa.field("weight_version", pa.string(), nullable=True),
+    ]
+)
+
+# merge: results/dataset/{category}/{shard}.parquet
+DATASET = pa.schema(
+    [
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("category", pa.string(), nullable=False),
+        pa.field("sample_key", pa.string(), nullable=False),
+        pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
+        pa.field("num_prompt_tokens", pa.int32(), nullable=False),
+        pa.field("num_output_tokens", pa.int32(), nullable=False),
+        pa.field("num_reasoning_tokens", pa.int32(), nullable=True),
+        pa.field("num_answer_tokens", pa.int32(), nullable=True),
+        pa.field("num_total_tokens", pa.int32(), nullable=False),
+        pa.field("finish_type", pa.string(), nullable=True),
+    ]
+)
+
+# Every stage: results/rejected/{stage}/... Nothing disappears silently.
+REJECTED = pa.schema(
+    [
+        pa.field("stage", pa.string(), nullable=False),
+        pa.field("category", pa.string(), nullable=False),
+        pa.field("reason", pa.string(), nullable=False),  # a stable code, e.g. "no_user_turn"
+        pa.field("detail", pa.string(), nullable=True),  # a human-readable explanation
+        pa.field("source", pa.string(), nullable=True),  # file:line / row, where known
+        pa.field("prompt_id", pa.string(), nullable=True),
+        pa.field("record", pa.large_string(), nullable=True),  # the raw record, kept as is
+    ]
+)
+
+# Fixed writer options: part of the byte-identity promise. Changing them changes every file.
+_WRITER_OPTIONS = dict(
+    compression="zstd",
+    compression_level=3,
+    use_dictionary=True,
+    write_statistics=True,
+    version="2.6",
+    data_page_version="1.0",
+    store_schema=True,
+)
+ROW_GROUP_SIZE = 8192
+
+
+def canonical_json(value) -> str:
+    """JSON with sorted keys and no whitespace: the same value always gives the same text."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def with_metadata(schema: pa.Schema, stage: str, extra: Mapping[str, str] | None = None):
+    meta = {META_SCHEMA_VERSION: SCHEMA_VERSION, META_STAGE: stage}
+    meta.update(extra or {})
+    return schema.with_metadata({k.encode(): str(v).encode() for k, v in sorted(meta.items())})
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    meta = pq.read_schema(path).metadata or {}
+    return {k.decode(): v.decode() for k, v in meta.items() if k.startswith(b"tokenmill.")}
+
+
+def atomic_path(path: str | os.PathLike):
+    """A temporary path next to `path` (same filesystem, so the final rename is atomic)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    return Path(tmp)
+
+
+def write_table(
+    table: pa.Table,
+    path: str | os.PathLike,
+    schema: pa.Schema,
+    stage: str,
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write `table` (cast to `schema`) deterministically and atomically."""
+    writer = ParquetWriter(path, schema, stage, metadata)
+    with writer:
+        writer.write(table)
+
+
+class ParquetWriter:
+    """Streaming, deterministic, atomic Parquet writer for one contract.
+
+    Batches are written as they come (bounded memory); the file appears under its final
+    name only when the writer is closed without an error.
+    """
+
+    def __init__(self, path, schema: pa.Schema, stage: str, metadata=None):
+        self.path = Path(path)
+        self.schema = with_metadata(schema, stage, metadata)
+        self._tmp = atomic_path(self.path)
+        self._writer = pq.ParquetWriter(self._tmp, self.schema, **_WRITER_OPTIONS)
+        self.rows = 0
+
+    def write(self, data: pa.Table | pa.RecordBatch) -> None:
+        if isinstance(data, pa.RecordBatch):
+            data = pa.Table.from_batches([data])
+        data = data.select(self.schema.names).cast(self.schema.remove_metadata())
+        data = data.replace_schema_metadata(self.schema.metadata)
+        self._writer.write_table(data, row_group_size=ROW_GROUP_SIZE)
+        self.rows += data.num_rows
+
+    def close(self) -> None:
+        self._writer.close()
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        self._writer.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+        return False
+
+
+def empty_table(schema: pa.Schema) -> pa.Table:
+    return schema.empty_table()
+
+
+def rejected_table(rows: list[dict]) -> pa.Table:
+    """Build a REJECTED table from dicts (missing optional keys become null)."""
+    cols = {name: [r.get(name) for r in rows] for name in REJECTED.names}
+    return pa.table(cols, schema=REJECTED)
