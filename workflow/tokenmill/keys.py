@@ -1,0 +1,67 @@
+"""Generation fingerprint and sample keys: what makes a generated sample reusable.
+
+A sample is identified by its prompt's token ids and by everything that shapes the engine's
+answer (model, revision, sampling, stop tokens, seed policy, output-relevant launch flags).
+The Snakefile puts the fingerprint in `params`, so changing any of these reruns generation
+and nothing else does; the journal uses sample keys, so a rerun never pays twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from tokenmill.contracts import canonical_json
+
+# Launch flags that cannot change what the engine generates (where and how it listens, logs,
+# watchdogs). They are left out of the fingerprint; every other flag counts.
+OUTPUT_IRRELEVANT_FLAGS = {
+    "--host": 1,
+    "--port": 1,
+    "--log-level": 1,
+    "--enable-metrics": 0,
+    "--watchdog-timeout": 1,
+    "--api-key": 1,
+    "--admin-api-key": 1,
+}
+
+
+def _relevant_launch_args(command: list[str]) -> list[str]:
+    out, skip = [], 0
+    for arg in command:
+        if skip:
+            skip -= 1
+            continue
+        flag = arg.split("=", 1)[0]
+        if flag in OUTPUT_IRRELEVANT_FLAGS:
+            skip = 0 if "=" in arg else OUTPUT_IRRELEVANT_FLAGS[flag]
+            continue
+        out.append(arg)
+    return out
+
+
+def generation_fingerprint(gen: dict) -> str:
+    launch = gen.get("launch") or {}
+    material = {
+        "engine": gen.get("engine", "sglang"),
+        "model": gen.get("model"),
+        "revision": gen.get("revision"),
+        "sampling": gen.get("sampling", {}),
+        "stop_tokens": gen.get("stop_tokens", []),
+        "seed_policy": gen.get("seed_policy", "none"),
+        "launch": _relevant_launch_args(launch.get("command", []))
+        if gen.get("mode", "managed") == "managed"
+        else None,
+    }
+    return hashlib.sha256(canonical_json(material).encode()).hexdigest()
+
+
+def sample_key(fingerprint: str, prompt_ids) -> str:
+    data = np.asarray(prompt_ids, dtype="<i4").tobytes()
+    return hashlib.sha256(fingerprint.encode() + b":" + data).hexdigest()[:32]
+
+
+def sampling_seed(key: str) -> int:
+    """Deterministic per-sample seed (fits SGLang's i64 sampling_seed)."""
+    return int(key[:15], 16)
