@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import importlib
 import json
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -103,7 +104,7 @@ def check_semantics(config: dict, basedir: str | Path = ".") -> None:
                 )
             else:
                 try:
-                    load_hook(hook)
+                    load_hook(hook, base)
                 except Exception as exc:  # noqa: BLE001 - reported with the key
                     problems.append(f"config key 'categories.{name}.hook': {exc}")
     gen = config.get("generation", {})
@@ -125,7 +126,11 @@ def normalize_source(src, category: dict) -> dict:
     return spec
 
 
-def load_hook(spec: str):
+def load_hook(spec: str, basedir: str | Path = "."):
+    """Import a user hook `module:function`; modules next to the workflow are importable."""
+    root = str(Path(basedir).resolve())
+    if root not in sys.path:
+        sys.path.insert(0, root)
     module_name, _, func_name = spec.partition(":")
     module = importlib.import_module(module_name)
     func = getattr(module, func_name, None)

@@ -1,0 +1,38 @@
+# `make demo` and `make test` do all the setup on a fresh machine (Python >= 3.11 and pip):
+# they create .venv, install tokenmill with pinned dependencies, then run.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Rules call the `tokenmill` command: the venv must come first on PATH.
+export PATH := $(abspath $(BIN)):$(PATH)
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+# The whole pipeline on the bundled sample data, with the CPU reference engine.
+demo: $(VENV)/.installed
+	$(BIN)/snakemake --profile profiles/local
+	$(BIN)/snakemake --profile profiles/local --report results/report.html
+
+# The whole test suite (lint and format checks included).
+test: $(VENV)/.installed
+	$(BIN)/pytest -q
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/snakefmt --check Snakefile workflow/rules
+	$(BIN)/snakemake --lint
+
+bench: $(VENV)/.installed
+	$(BIN)/python benchmarks/bench_tokenize.py
+	$(BIN)/python benchmarks/bench_client.py
+	$(BIN)/python benchmarks/bench_merge.py
+
+clean:
+	rm -rf results .snakemake

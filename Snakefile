@@ -1,0 +1,31 @@
+# tokenmill: EAGLE-3 drafter training data as raw token IDs.
+# Stages: prepare -> tokenize (checkpoint) -> generate (GPU) -> merge -> stats, card, provenance.
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+# The bundled config is the default; a --configfile given on the command line replaces it
+# rather than being merged into it (merging would silently add the sample categories).
+if not workflow.overwrite_configfiles:
+
+    configfile: "config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/prepare.smk"
+include: "workflow/rules/tokenize.smk"
+include: "workflow/rules/generate.smk"
+include: "workflow/rules/dataset.smk"
+
+
+localrules:
+    summarize_stats,
+    write_dataset_card,
+    write_provenance,
+
+
+rule all:
+    default_target: True
+    input:
+        final_outputs(),

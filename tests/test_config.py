@@ -1,0 +1,101 @@
+"""A bad config fails before any job starts, with a message that names the key."""
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tokenmill.config import ConfigError, check_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
+
+
+@pytest.fixture
+def base_config():
+    with open(ROOT / "config.yaml") as f:
+        return yaml.safe_load(f)
+
+
+def test_bundled_config_is_valid(base_config):
+    config = check_config(copy.deepcopy(base_config), ROOT)
+    # Defaults from the schema are filled in.
+    assert config["categories"]["chat"]["turns"] == "last"
+    assert config["generation"]["retry"]["max_attempts"] == 8
+
+
+def _broken(config, mutate):
+    config = copy.deepcopy(config)
+    mutate(config)
+    return config
+
+
+CASES = {
+    "unknown key": (
+        lambda c: c["tokenizer"].update(pathh="x"),
+        "tokenizer",
+        "'pathh' was unexpected",
+    ),
+    "wrong type": (
+        lambda c: c["categories"]["code"].update(shards="four"),
+        "categories.code.shards",
+        "is not of type 'integer'",
+    ),
+    "missing tokenizer": (lambda c: c.pop("tokenizer"), "<top level>", "'tokenizer'"),
+    "unknown format": (
+        lambda c: c["categories"]["chat"].update(format="alpaca"),
+        "categories.chat.format",
+        "'alpaca' is not one of",
+    ),
+    "no sources": (
+        lambda c: c["categories"]["chat"].update(sources=[]),
+        "categories.chat.sources",
+        "should be non-empty",
+    ),
+    "missing source file": (
+        lambda c: c["categories"]["chat"].update(sources=["sample/data/nope/*.json"]),
+        "categories.chat.sources.0",
+        "no file matches",
+    ),
+    "missing tokenizer dir": (
+        lambda c: c["tokenizer"].update(path="./no/such/dir"),
+        "tokenizer.path",
+        "neither an existing directory",
+    ),
+    "hook without function": (
+        lambda c: c["categories"]["chat"].update(format="hook", hook="sample.hooks:nope"),
+        "categories.chat.hook",
+        "has no function 'nope'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_config_names_the_key(base_config, case):
+    mutate, key, expected = CASES[case]
+    with pytest.raises(ConfigError) as err:
+        check_config(_broken(base_config, mutate), ROOT)
+    message = str(err.value)
+    assert f"config key '{key}'" in message, message
+    assert expected in message, message
+
+
+def test_bad_config_fails_snakemake_before_any_job(base_config, tmp_path):
+    bad = _broken(base_config, lambda c: c["categories"]["code"].update(shards="four"))
+    bad["results_dir"] = str(tmp_path / "results")
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml.safe_dump(bad))
+    proc = subprocess.run(
+        [SNAKEMAKE, "--cores", "1", "--configfile", str(cfg)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "categories.code.shards" in out, out
+    assert not (tmp_path / "results").exists(), "a job ran despite the bad config"

@@ -1,0 +1,166 @@
+"""End to end: the real Snakemake workflow on the bundled sample data, with the reference
+engine in managed mode, then the incremental-rebuild promises:
+
+- a second run does nothing;
+- editing one prompt reruns prepare and tokenize of that category only, then generate,
+  merge and export of exactly one shard (the engine receives exactly one request), and
+  every other data file keeps its bytes;
+- changing the chat template kwargs re-tokenizes every category.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def copy_workflow(dest: Path) -> Path:
+    for name in ("Snakefile", "config.yaml", "pyproject.toml"):
+        shutil.copy2(ROOT / name, dest / name)
+    for name in ("workflow", "sample", "profiles", "envs"):
+        shutil.copytree(
+            ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+        )
+    return dest
+
+
+def snakemake(workdir: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", HF_HUB_OFFLINE="1")
+    return subprocess.run(
+        [str(BIN / "snakemake"), "--profile", "profiles/local", "--cores", "2", *args],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+JOB_HEADER = re.compile(r"^(?:local)?(?:rule|checkpoint) (\w+):$")
+
+
+def jobs_in(log: str) -> set[tuple[str, str]]:
+    """(rule, wildcards) of every job a snakemake log (or dry run) lists."""
+    jobs, current = set(), None
+    for line in log.splitlines():
+        header = JOB_HEADER.match(line.strip())
+        if header:
+            current = header.group(1)
+            jobs.add((current, ""))
+            continue
+        if current and line.strip().startswith("wildcards:"):
+            jobs.discard((current, ""))
+            jobs.add((current, line.split(":", 1)[1].strip()))
+            current = None
+    return jobs
+
+
+def digests(root: Path, pattern: str) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.glob(pattern))
+    }
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    workdir = copy_workflow(tmp_path_factory.mktemp("wf"))
+    proc = snakemake(workdir)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return workdir
+
+
+def test_full_pipeline_outputs(finished_run):
+    results = finished_run / "results"
+    config = yaml.safe_load((finished_run / "config.yaml").read_text())
+    for category, cat in config["categories"].items():
+        shards = sorted((results / "tokenized" / category).glob("*.parquet"))
+        assert len(shards) == cat["shards"]
+        for shard in shards:
+            tokenized = pq.read_table(shard)
+            dataset = pq.read_table(results / "dataset" / category / shard.name)
+            assert dataset.num_rows <= tokenized.num_rows
+            assert (results / "export" / category / (shard.stem + ".jsonl")).exists()
+    for name in ("stats/summary.json", "dataset/README.md", "provenance.json"):
+        assert (results / name).exists(), name
+
+
+def test_second_run_does_nothing(finished_run):
+    proc = snakemake(finished_run, "-n")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Nothing to be done" in proc.stdout + proc.stderr, proc.stdout[-4000:]
+
+
+def _edit_one_code_prompt(workdir: Path) -> None:
+    path = workdir / "sample/data/code/code_sample.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    record = json.loads(lines[0])
+    record["instruction"] += " Use only the standard library."
+    lines[0] = json.dumps(record) + "\n"
+    path.write_text("".join(lines))
+
+
+def test_editing_one_prompt_reruns_one_shard(finished_run):
+    results = finished_run / "results"
+    before = digests(results, "*/*/*.parquet") | digests(results, "prompts/*.parquet")
+
+    _edit_one_code_prompt(finished_run)
+    dry = snakemake(finished_run, "-n")
+    assert dry.returncode == 0, dry.stderr[-4000:]
+    planned = {job for job in jobs_in(dry.stdout + dry.stderr) if job[1]}
+    # Before the checkpoint has run, the dry run sees prepare and tokenize of `code` only.
+    assert planned == {
+        ("prepare_prompts", "category=code"),
+        ("tokenize_prompts", "category=code"),
+    }, planned
+
+    run = snakemake(finished_run)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
+    ran = jobs_in(run.stdout + run.stderr)
+    per_shard = {(rule, wc) for rule, wc in ran if "shard=" in wc}
+    generate = {wc for rule, wc in per_shard if rule == "generate_shard"}
+    assert len(generate) == 1 and "category=code" in next(iter(generate)), ran
+    (shard_wc,) = generate
+    assert {wc for _, wc in per_shard} == {shard_wc}, per_shard
+    assert {rule for rule, _ in per_shard} == {"generate_shard", "merge_shard", "export_jsonl"}
+
+    shard = re.search(r"shard=(\d+)", shard_wc).group(1)
+    meta = json.loads((results / f"generated/code/{shard}.meta.json").read_text())
+    assert meta["counts"]["requested"] == 1, meta["counts"]
+
+    after = digests(results, "*/*/*.parquet") | digests(results, "prompts/*.parquet")
+    changed = {path for path in before if before[path] != after.get(path)}
+    assert changed == {
+        "prompts/code.parquet",
+        f"tokenized/code/{shard}.parquet",
+        f"generated/code/{shard}.parquet",
+        f"dataset/code/{shard}.parquet",
+    }, changed
+
+
+def test_changing_the_chat_template_kwargs_retokenizes_everything(finished_run, tmp_path):
+    config = yaml.safe_load((finished_run / "config.yaml").read_text())
+    config["tokenizer"]["chat_template_kwargs"] = {"thinking": False}
+    configfile = tmp_path / "nothink.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    dry = snakemake(finished_run, "-n", "--configfile", str(configfile))
+    assert dry.returncode == 0, dry.stderr[-4000:]
+    tokenize = {wc for rule, wc in jobs_in(dry.stdout + dry.stderr) if rule == "tokenize_prompts"}
+    assert tokenize == {f"category={c}" for c in config["categories"]}, tokenize
+    prepare = {wc for rule, wc in jobs_in(dry.stdout + dry.stderr) if rule == "prepare_prompts"}
+    assert not prepare, prepare

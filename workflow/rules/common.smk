@@ -1,0 +1,107 @@
+# Config checks, named input functions and parameters shared by the rules.
+import json
+import os
+import re
+
+from tokenmill import workflow_support as support
+from tokenmill.config import ConfigError, check_config
+
+# A bad config fails here, before any job starts, with the offending key named.
+try:
+    check_config(config, basedir=".")
+except ConfigError as exc:
+    raise WorkflowError(str(exc)) from None
+# Same schema through Snakemake's own validator (it also fills in the defaults).
+validate(config, "../schemas/config.schema.yaml")
+
+RESULTS = config["results_dir"]
+CATEGORIES = sorted(config["categories"])
+TOKENIZER_FINGERPRINT = support.tokenizer_params_fingerprint(config["tokenizer"], ".")
+GENERATION_FINGERPRINT = support.generation_fingerprint(config["generation"])
+
+
+wildcard_constraints:
+    category="|".join(re.escape(c) for c in CATEGORIES),
+    shard=r"\d+",
+
+
+def res(path):
+    """A path under the results directory."""
+    return os.path.join(RESULTS, path)
+
+
+def shards_of(category):
+    return support.shard_names(config["categories"][category]["shards"])
+
+
+def category_source_files(wildcards):
+    """Local source files of a category (hub sources have no local file to watch)."""
+    return support.local_source_files(config["categories"][wildcards.category], ".")
+
+
+def category_json(wildcards):
+    return json.dumps(config["categories"][wildcards.category], sort_keys=True)
+
+
+def category_shard_count(wildcards):
+    return config["categories"][wildcards.category]["shards"]
+
+
+def tokenizer_json(wildcards=None):
+    return json.dumps(config["tokenizer"], sort_keys=True)
+
+
+def generation_json(wildcards=None):
+    return json.dumps(config["generation"], sort_keys=True)
+
+
+def dataset_json(wildcards=None):
+    return json.dumps(config["dataset"], sort_keys=True)
+
+
+def tokenized_shard(wildcards):
+    """A tokenized shard; waits for the category's tokenize checkpoint."""
+    checkpoints.tokenize_prompts.get(category=wildcards.category)
+    return res(f"tokenized/{wildcards.category}/{wildcards.shard}.parquet")
+
+
+def generate_runtime(wildcards, attempt):
+    """Minutes: grows with each retry so a job killed at its time limit gets longer next time."""
+    return config["generation"]["resources"]["runtime_min"] * attempt
+
+
+def all_shard_files(pattern):
+    return [
+        res(pattern.format(category=c, shard=s))
+        for c in CATEGORIES
+        for s in shards_of(c)
+    ]
+
+
+def final_outputs():
+    outputs = all_shard_files("dataset/{category}/{shard}.parquet")
+    if config["dataset"]["export_jsonl"]:
+        outputs += all_shard_files("export/{category}/{shard}.jsonl")
+    outputs += [
+        res("stats/summary.json"),
+        res("dataset/README.md"),
+        res("provenance.json"),
+    ]
+    return outputs
+
+
+def generate_log_dir(wildcards):
+    """The generate job's log folder (client log, engine log)."""
+    return res(f"logs/generate/{wildcards.category}/{wildcards.shard}")
+
+
+def config_json(wildcards=None):
+    return json.dumps(config, sort_keys=True)
+
+
+def final_outputs_except_provenance(wildcards=None):
+    return [p for p in final_outputs() if p != res("provenance.json")]
+
+
+def results_dir(wildcards=None):
+    return RESULTS
