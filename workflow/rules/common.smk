@@ -18,6 +18,8 @@ RESULTS = config["results_dir"]
 CATEGORIES = sorted(config["categories"])
 TOKENIZER_FINGERPRINT = support.tokenizer_params_fingerprint(config["tokenizer"], ".")
 GENERATION_FINGERPRINT = support.generation_fingerprint(config["generation"])
+# Histograms written by `tokenmill stats` (stats/length_{metric}_tokens.png).
+LENGTH_METRICS = ["prompt", "output", "reasoning", "answer", "total"]
 
 
 wildcard_constraints:

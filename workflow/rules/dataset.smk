@@ -55,8 +55,7 @@ rule summarize_stats:
             category="Statistics",
         ),
         plots=report(
-            directory(res("stats/plots")),
-            patterns=["{name}.png"],
+            expand(res("stats/length_{metric}_tokens.png"), metric=LENGTH_METRICS),
             caption="../report/plots.rst",
             category="Length distributions",
         ),

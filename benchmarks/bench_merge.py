@@ -1,0 +1,174 @@
+"""Benchmark: tokenmill merge (+ validation) against the I/O floor, with peak memory.
+
+    /work/main/.venv/bin/python benchmarks/bench_merge.py [--samples 100000] [--shards 4]
+
+Builds synthetic tokenized and generated shards (token lengths scaled down to fit a small
+machine), then runs, each in its own subprocess so peak RSS is per side:
+  floor : pyarrow reads both inputs of every shard and writes their list columns with the
+          contracts' writer options (zstd 3), i.e. the unavoidable read + compress + write;
+  merge : merge.merge_shard on every shard (join, sample keys, every validation rule, two
+          passes over the inputs, DATASET output + rejected file);
+  merge+jsonl : the same with the JSONL export.
+Prints throughput (samples/s, tokens/s), the merge/floor time ratio (target <= 2x) and each
+side's peak RSS next to the size of one shard and of the whole dataset in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tokenmill import contracts, keys, merge, validate
+
+GEN_CFG = {"model": "bench", "sampling": {"max_new_tokens": 256}, "stop_tokens": [2]}
+VOCAB = 32000
+
+
+def _lists(rng, n, lo, hi, tail=None):
+    lengths = rng.integers(lo, hi, n)
+    off = np.zeros(n + 1, np.int64)
+    np.cumsum(lengths, out=off[1:])
+    vals = rng.integers(10, VOCAB, int(off[-1])).astype(np.int32)
+    if tail is not None:
+        vals[off[1:] - 1] = tail
+    return off, vals
+
+
+def build(directory: Path, samples: int, shards: int) -> int:
+    rng = np.random.default_rng(0)
+    fp = keys.generation_fingerprint(GEN_CFG)
+    tokens = 0
+    per = samples // shards
+    for s in range(shards):
+        pids = np.array([f"{s:03d}-{i:07d}" for i in range(per)], dtype=object)
+        p_off, p_val = _lists(rng, per, 16, 112)
+        o_off, o_val = _lists(rng, per, 16, 112, tail=2)
+        tokens += len(p_val) + len(o_val)
+        sample_keys = [keys.sample_key(fp, p_val[p_off[i] : p_off[i + 1]]) for i in range(per)]
+        prompt_ids = pa.ListArray.from_arrays(pa.array(p_off.astype(np.int32)), pa.array(p_val))
+        output_ids = pa.ListArray.from_arrays(pa.array(o_off.astype(np.int32)), pa.array(o_val))
+        tok = pa.table(
+            {
+                "prompt_id": pa.array(pids, pa.string()),
+                "prompt_ids": prompt_ids,
+                "num_prompt_tokens": pa.array(np.diff(p_off).astype(np.int32)),
+            }
+        )
+        contracts.write_table(tok, directory / f"tok{s:03d}.parquet", contracts.TOKENIZED, "t")
+        # generated rows arrive in completion order, not prompt_id order
+        order = rng.permutation(per)
+        finish = np.where(rng.random(per) < 0.02, "length", "stop").astype(object)
+        gen = pa.table(
+            {
+                "prompt_id": pa.array(pids, pa.string()),
+                "sample_key": pa.array(sample_keys, pa.string()),
+                "output_ids": output_ids,
+                "finish_type": pa.array(finish, pa.string()),
+                "finish_matched_id": pa.array([2] * per, pa.int64()),
+                "finish_matched_str": pa.array([None] * per, pa.string()),
+                "prompt_tokens": pa.array(np.diff(p_off).astype(np.int32)),
+                "completion_tokens": pa.array(np.diff(o_off).astype(np.int32)),
+                "cached_tokens": pa.array([0] * per, pa.int32()),
+                "latency_s": pa.array([1.0] * per),
+                "server": pa.array(["s"] * per),
+                "weight_version": pa.array(["w"] * per),
+            }
+        ).take(pa.array(order))
+        contracts.write_table(gen, directory / f"gen{s:03d}.parquet", contracts.GENERATED, "g")
+    return tokens
+
+
+def run_side(side: str, directory: Path, shards: int) -> dict:
+    out = directory / side
+    out.mkdir(exist_ok=True)
+    t0 = time.perf_counter()
+    if side == "floor":
+        for s in range(shards):
+            tok = pq.read_table(directory / f"tok{s:03d}.parquet")
+            gen = pq.read_table(directory / f"gen{s:03d}.parquet")
+            table = pa.table(
+                {"prompt_ids": tok.column("prompt_ids"), "output_ids": gen.column("output_ids")}
+            )
+            pq.write_table(
+                table,
+                out / f"{s:03d}.parquet",
+                row_group_size=contracts.ROW_GROUP_SIZE,
+                **contracts._WRITER_OPTIONS,
+            )
+    else:
+        rules = validate.Rules(vocab_size=VOCAB, stop_ids=(2,), think_end_id=5)
+        fp = keys.generation_fingerprint(GEN_CFG)
+        for s in range(shards):
+            merge.merge_shard(
+                directory / f"tok{s:03d}.parquet",
+                directory / f"gen{s:03d}.parquet",
+                out / f"{s:03d}.parquet",
+                out / f"rej{s:03d}.parquet",
+                rules,
+                fp,
+                "bench",
+                f"{s:03d}",
+                jsonl_out=out / f"{s:03d}.jsonl" if side == "merge+jsonl" else None,
+            )
+    wall = time.perf_counter() - t0
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return {"side": side, "wall_s": wall, "peak_rss_mb": rss_mb}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=100_000)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--side")
+    parser.add_argument("--dir")
+    args = parser.parse_args()
+    if args.side:  # child process
+        print(json.dumps(run_side(args.side, Path(args.dir), args.shards)))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="bench_merge.") as tmp:
+        d = Path(tmp)
+        t0 = time.perf_counter()
+        tokens = build(d, args.samples, args.shards)
+        samples = args.samples // args.shards * args.shards
+        print(
+            f"input: {samples:,} samples in {args.shards} shards, {tokens:,} tokens "
+            f"(prompt 16-111, output 16-111 tokens each; built in {time.perf_counter() - t0:.1f}s)"
+        )
+        in_mem = tokens * 4 / 2**20
+        print(
+            f"tokens in memory as int32: whole dataset {in_mem:.0f} MiB, "
+            f"one shard {in_mem / args.shards:.0f} MiB"
+        )
+        res = {}
+        for side in ("floor", "merge", "merge+jsonl"):
+            cmd = [sys.executable, __file__, "--side", side, "--dir", tmp]
+            cmd += ["--shards", str(args.shards)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
+            res[side] = json.loads(out.stdout.strip().splitlines()[-1])
+        floor = res["floor"]["wall_s"]
+        print(
+            f"{'side':<12} {'wall s':>8} {'samples/s':>11} {'tokens/s':>12} {'x floor':>8} "
+            f"{'peak RSS MiB':>13}"
+        )
+        for side, r in res.items():
+            print(
+                f"{side:<12} {r['wall_s']:>8.2f} {samples / r['wall_s']:>11,.0f} "
+                f"{tokens / r['wall_s']:>12,.0f} {r['wall_s'] / floor:>8.2f} "
+                f"{r['peak_rss_mb']:>13.0f}"
+            )
+        ratio = res["merge"]["wall_s"] / floor
+        print(f"merge / floor = {ratio:.2f}x (target <= 2x): {'OK' if ratio <= 2 else 'ABOVE'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

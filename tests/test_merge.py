@@ -1,0 +1,338 @@
+"""merge + validate: exact sequences and masks, every reason code, conservation, exports.
+
+The helpers at the top (tiny tokenizer, shard writers, a small synthetic results tree) are
+also used by test_stats.py and test_provenance.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenmill import contracts, keys, merge, validate
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# id: token. 0 <unk>, 1 <eos>, 2 <|im_end|>, 3 <think>, 4 </think>, then words.
+VOCAB = ["<unk>", "<eos>", "<|im_end|>", "<think>", "</think>"] + [f"w{i}" for i in range(15)]
+GEN_CFG = {
+    "engine": "sglang",
+    "mode": "external",
+    "model": "tiny/model",
+    "revision": None,
+    "sampling": {"max_new_tokens": 16, "temperature": 0.0},
+    "stop_tokens": ["<|im_end|>"],
+    "seed_policy": "none",
+    "resources": {"gpus": 0},
+}
+DS_CFG = {
+    "max_sequence_tokens": 12,
+    "reject_truncated": True,
+    "think_end_token": "</think>",
+    "require_think_end": False,
+    "export_jsonl": True,
+}
+FP = keys.generation_fingerprint(GEN_CFG)
+TOK_FP = "tokfp-123"
+
+
+def build_tokenizer(directory: Path) -> Path:
+    """A WordLevel tokenizer with the chat special tokens, saved like a hub tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        eos_token="<eos>",
+        additional_special_tokens=["<|im_end|>", "<think>", "</think>"],
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(directory))
+    return directory
+
+
+def rules(**over) -> validate.Rules:
+    base = dict(
+        vocab_size=len(VOCAB),
+        stop_ids=(2, 1),
+        think_end_id=4,
+        max_sequence_tokens=12,
+        reject_truncated=True,
+        require_think_end=False,
+    )
+    base.update(over)
+    return validate.Rules(**base)
+
+
+def write_tokenized(path: Path, prompts: dict[str, list[int]], category="chat", shard="000"):
+    pids = sorted(prompts)
+    table = pa.table(
+        {
+            "prompt_id": pids,
+            "prompt_ids": [prompts[p] for p in pids],
+            "num_prompt_tokens": [len(prompts[p]) for p in pids],
+        }
+    )
+    meta = {
+        contracts.META_TOKENIZER_FINGERPRINT: TOK_FP,
+        "tokenmill.records_in": len(pids),
+        "tokenmill.records_kept": len(pids),
+        "tokenmill.records_rejected": 0,
+    }
+    contracts.write_table(table, path, contracts.TOKENIZED, "tokenize", meta)
+
+
+def gen_row(pid, prompt, output, finish="stop", key=None, cached=0):
+    return {
+        "prompt_id": pid,
+        "sample_key": key or keys.sample_key(FP, prompt),
+        "output_ids": output,
+        "finish_type": finish,
+        "finish_matched_id": output[-1] if (finish == "stop" and output) else None,
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(output),
+        "cached_tokens": cached,
+        "latency_s": 0.5,
+        "server": "http://127.0.0.1:1",
+        "weight_version": "default",
+    }
+
+
+def write_generated(path: Path, rows: list[dict], records_in=None, rejected=0):
+    cols = {name: [r.get(name) for r in rows] for name in contracts.GENERATED.names}
+    meta = {
+        contracts.META_GENERATION_FINGERPRINT: FP,
+        "tokenmill.records_in": records_in if records_in is not None else len(rows) + rejected,
+        "tokenmill.records_kept": len(rows),
+        "tokenmill.records_rejected": rejected,
+    }
+    contracts.write_table(
+        pa.table(cols, schema=contracts.GENERATED), path, contracts.GENERATED, "generate", meta
+    )
+
+
+def run_merge(tmp_path, prompts, gens, gen_rejected=None, jsonl=False, **rule_over):
+    tok, gen = tmp_path / "tok.parquet", tmp_path / "gen.parquet"
+    write_tokenized(tok, prompts)
+    write_generated(gen, gens)
+    gr = None
+    if gen_rejected is not None:
+        gr = tmp_path / "genrej.parquet"
+        rows = [
+            {"stage": "generate", "category": "chat", "reason": "engine_error", "prompt_id": p}
+            for p in gen_rejected
+        ]
+        contracts.write_table(contracts.rejected_table(rows), gr, contracts.REJECTED, "generate")
+    out, rej = tmp_path / "out" / "000.parquet", tmp_path / "rej" / "000.parquet"
+    res = merge.merge_shard(
+        tok,
+        gen,
+        out,
+        rej,
+        rules(**rule_over),
+        FP,
+        "chat",
+        "000",
+        generate_rejected=gr,
+        jsonl_out=tmp_path / "export" / "000.jsonl" if jsonl else None,
+    )
+    return res, out, rej
+
+
+def test_merge_exact_sequences_masks_and_counts(tmp_path):
+    prompts = {"b": [5, 6, 3], "a": [7, 3]}
+    gens = [
+        gen_row("b", prompts["b"], [8, 9, 4, 10, 2]),
+        gen_row("a", prompts["a"], [4, 11, 1]),  # eos is a stop token too
+    ]
+    res, out, rej = run_merge(tmp_path, prompts, gens)
+    t = pq.read_table(out)
+    assert t.column("prompt_id").to_pylist() == ["a", "b"]  # sorted by prompt_id
+    assert t.column("input_ids").to_pylist() == [[7, 3, 4, 11, 1], [5, 6, 3, 8, 9, 4, 10, 2]]
+    assert t.column("loss_mask").to_pylist() == [[0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1, 1]]
+    assert t.column("num_prompt_tokens").to_pylist() == [2, 3]
+    assert t.column("num_output_tokens").to_pylist() == [3, 5]
+    assert t.column("num_reasoning_tokens").to_pylist() == [1, 3]
+    assert t.column("num_answer_tokens").to_pylist() == [2, 2]
+    assert t.column("num_total_tokens").to_pylist() == [5, 8]
+    assert t.column("category").to_pylist() == ["chat", "chat"]
+    assert t.column("sample_key").to_pylist() == [gens[1]["sample_key"], gens[0]["sample_key"]]
+    assert t.schema.field("input_ids").type == pa.list_(pa.int32())
+    assert t.schema.field("loss_mask").type == pa.list_(pa.int8())
+    meta = contracts.read_metadata(out)
+    assert meta["tokenmill.records_in"] == "2" and meta["tokenmill.records_kept"] == "2"
+    assert meta["tokenmill.records_rejected"] == "0"
+    assert meta[contracts.META_TOKENIZER_FINGERPRINT] == TOK_FP
+    assert meta[contracts.META_GENERATION_FINGERPRINT] == FP
+    assert pq.read_table(rej).num_rows == 0
+    assert (res.kept, res.rejected) == (2, 0)
+
+
+def test_null_reasoning_counts_without_think_end(tmp_path):
+    prompts = {"a": [7, 3]}
+    _, out, _ = run_merge(tmp_path, prompts, [gen_row("a", [7, 3], [4, 2])], think_end_id=None)
+    t = pq.read_table(out)
+    assert t.column("num_reasoning_tokens").to_pylist() == [None]
+    assert t.column("num_answer_tokens").to_pylist() == [None]
+
+
+def test_every_reason_code(tmp_path):
+    P = [5, 6]
+    prompts = {p: P + [i] for i, p in enumerate("abcdefghijkl", start=5)}
+    gens = [
+        gen_row("a", prompts["a"], [8, 2]),  # ok
+        gen_row("b", prompts["b"], [8, 2]),
+        gen_row("b", prompts["b"], [9, 2]),  # duplicate_prompt_id (both rows)
+        gen_row("c", prompts["c"], [8, 2], key="0" * 32),  # sample_key_mismatch
+        gen_row("d", prompts["d"], [8, 2], finish=None),  # missing_finish
+        gen_row("e", prompts["e"], [8], finish="abort"),  # aborted
+        gen_row("f", prompts["f"], [], finish="stop"),  # empty_output
+        gen_row("g", prompts["g"], [8, 9], finish="length"),  # truncated
+        gen_row("h", prompts["h"], [8, 99, 2]),  # token_out_of_range
+        gen_row("i", prompts["i"], [8, 9]),  # missing_stop_token
+        gen_row("j", prompts["j"], [8] * 12 + [2]),  # too_long
+        gen_row("zz", [5], [8, 2]),  # unknown_prompt_id
+        # k: not generated and not rejected by generate -> not_generated
+        # l: rejected by generate
+    ]
+    res, out, rej = run_merge(tmp_path, prompts, gens, gen_rejected=["l"])
+    assert pq.read_table(out).column("prompt_id").to_pylist() == ["a"]
+    r = pq.read_table(rej).to_pylist()
+    got = sorted((x["prompt_id"], x["reason"]) for x in r)
+    assert got == [
+        ("b", "duplicate_prompt_id"),
+        ("b", "duplicate_prompt_id"),
+        ("c", "sample_key_mismatch"),
+        ("d", "missing_finish"),
+        ("e", "aborted"),
+        ("f", "empty_output"),
+        ("g", "truncated"),
+        ("h", "token_out_of_range"),
+        ("i", "missing_stop_token"),
+        ("j", "too_long"),
+        ("k", "not_generated"),
+        ("zz", "unknown_prompt_id"),
+    ]
+    assert all(x["stage"] == "merge" and x["detail"] for x in r)
+    assert res.generate_rejected == 1 and res.not_generated == 1
+    meta = contracts.read_metadata(out)
+    # in = generated rows (12) + not_generated (1) = kept (1) + rejected (12)
+    assert meta["tokenmill.records_in"] == "13"
+    assert meta["tokenmill.records_kept"] == "1"
+    assert meta["tokenmill.records_rejected"] == "12"
+
+
+def test_no_think_end_and_truncated_allowed(tmp_path):
+    prompts = {"a": [5], "b": [6]}
+    gens = [gen_row("a", [5], [8, 2]), gen_row("b", [6], [4, 8, 9], finish="length")]
+    _, out, rej = run_merge(tmp_path, prompts, gens, require_think_end=True, reject_truncated=False)
+    assert pq.read_table(out).column("prompt_id").to_pylist() == ["b"]
+    assert [(x["prompt_id"], x["reason"]) for x in pq.read_table(rej).to_pylist()] == [
+        ("a", "no_think_end")
+    ]
+
+
+def test_conservation_failure_names_counts(tmp_path):
+    prompts = {"a": [5], "b": [6]}
+    # "a" is both generated and listed as rejected by generate: counted twice.
+    with pytest.raises(merge.ConservationError, match=r"tokenized=2 .*generate_rejected=1"):
+        run_merge(tmp_path, prompts, [gen_row("a", [5], [2]), gen_row("b", [6], [2])], ["a"])
+    assert not (tmp_path / "out" / "000.parquet").exists()
+
+
+def test_jsonl_export_and_loaders(tmp_path):
+    prompts = {"a": [7, 3], "b": [5, 6, 3]}
+    gens = [gen_row("a", prompts["a"], [4, 11, 1]), gen_row("b", prompts["b"], [8, 4, 2])]
+    _, out, _ = run_merge(tmp_path, prompts, gens, jsonl=True)
+    lines = (tmp_path / "export" / "000.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in lines] == [
+        {"input_ids": [7, 3, 4, 11, 1], "loss_mask": [0, 0, 1, 1, 1]},
+        {"input_ids": [5, 6, 3, 8, 4, 2], "loss_mask": [0, 0, 0, 1, 1, 1]},
+    ]
+    import datasets
+
+    ds = datasets.load_dataset(
+        "parquet", data_files=str(out), split="train", cache_dir=str(tmp_path / "hf")
+    )
+    assert ds[1]["input_ids"] == [5, 6, 3, 8, 4, 2] and ds[1]["loss_mask"] == [0, 0, 0, 1, 1, 1]
+    # polars is not installed: the pyarrow and datasets loaders are checked.
+
+
+def test_deterministic_bytes_and_streaming_across_row_groups(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    prompts = {f"p{i:03d}": rng.integers(5, 20, rng.integers(1, 5)).tolist() for i in range(50)}
+    gens = [gen_row(p, ids, rng.integers(5, 20, 3).tolist() + [2]) for p, ids in prompts.items()]
+    rng.shuffle(gens)  # generated rows arrive in completion order
+    _, out1, rej1 = run_merge(tmp_path / "one", prompts, gens, jsonl=True)
+    # Same data, inputs split in many small row groups, small batches: same bytes.
+    d = tmp_path / "two"
+    d.mkdir()
+    monkeypatch.setattr(merge, "BATCH_ROWS", 7)
+    monkeypatch.setattr(merge, "KEEP_IN_MEMORY_BYTES", 0)  # pass 2 reads the inputs again
+    monkeypatch.setattr(contracts, "ROW_GROUP_SIZE", 4)
+    _, out2, rej2 = run_merge(d, prompts, gens, jsonl=True)
+    monkeypatch.undo()
+    t1, t2 = pq.read_table(out1), pq.read_table(out2)
+    assert t1.equals(t2) and t1.num_rows == 50
+    assert pq.ParquetFile(d / "gen.parquet").num_row_groups > 5
+    assert t1.column("prompt_id").to_pylist() == sorted(prompts)
+    expected = [
+        prompts[p] + next(g["output_ids"] for g in gens if g["prompt_id"] == p)
+        for p in sorted(prompts)
+    ]
+    assert t1.column("input_ids").to_pylist() == expected
+    # Rerun with identical inputs: byte-identical outputs.
+    _, out3, rej3 = run_merge(tmp_path / "one", prompts, gens, jsonl=True)
+    assert out3.read_bytes() == out1.read_bytes() and rej3.read_bytes() == rej1.read_bytes()
+
+
+def test_cli_with_real_tokenizer(tmp_path):
+    tok_dir = build_tokenizer(tmp_path / "tok")
+    prompts = {"a": [7, 3], "b": [5, 6, 3]}
+    gens = [gen_row("a", prompts["a"], [4, 11, 2]), gen_row("b", prompts["b"], [8, 4, 9])]
+    write_tokenized(tmp_path / "t.parquet", prompts)
+    write_generated(tmp_path / "g.parquet", gens)
+    rc = merge.main(
+        [
+            "--category",
+            "chat",
+            "--shard",
+            "000",
+            "--tokenized",
+            str(tmp_path / "t.parquet"),
+            "--generated",
+            str(tmp_path / "g.parquet"),
+            "--out",
+            str(tmp_path / "d.parquet"),
+            "--rejected",
+            str(tmp_path / "r.parquet"),
+            "--jsonl-out",
+            str(tmp_path / "d.jsonl"),
+            "--dataset-config",
+            json.dumps(DS_CFG),
+            "--generation-config",
+            json.dumps(GEN_CFG),
+            "--tokenizer-config",
+            json.dumps({"path": str(tok_dir)}),
+        ]
+    )
+    assert rc == 0
+    assert pq.read_table(tmp_path / "d.parquet").column("prompt_id").to_pylist() == ["a"]
+    rej = pq.read_table(tmp_path / "r.parquet").to_pylist()
+    assert [(r["prompt_id"], r["reason"]) for r in rej] == [("b", "missing_stop_token")]
+
+
+def test_batch_sample_keys_match_keys_module():
+    rng = np.random.default_rng(1)
+    rows = [rng.integers(0, 2**31 - 1, n).astype(np.int32) for n in (0, 1, 5, 300)]
+    off = np.cumsum([0] + [len(r) for r in rows])
+    got = merge.sample_keys(FP, off, np.concatenate(rows))
+    assert list(got) == [keys.sample_key(FP, r) for r in rows]

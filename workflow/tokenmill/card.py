@@ -1,0 +1,151 @@
+"""`tokenmill card`: the Hugging Face dataset card (results/dataset/README.md).
+
+    tokenmill card --results-dir results --config-json CONFIG.json \
+        --stats results/stats/summary.json --out results/dataset/README.md
+
+The YAML front matter declares one `configs:` entry per category (data_files relative to the
+dataset folder) plus a default `all`, so `datasets.load_dataset("results/dataset", name=cat)`
+loads one category and `load_dataset("results/dataset")` loads everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import yaml
+
+from tokenmill import contracts
+
+COLUMNS = [
+    ("prompt_id", "string", "stable id of the prompt (hash of the source record and turn)"),
+    ("category", "string", "dataset category (a config of this dataset)"),
+    ("sample_key", "string", "hash of prompt_ids and the generation fingerprint"),
+    ("input_ids", "list<int32>", "prompt token ids (chat template applied) + generated ids"),
+    ("loss_mask", "list<int8>", "0 over the prompt, 1 over the generated tokens"),
+    ("num_prompt_tokens", "int32", "prompt length"),
+    ("num_output_tokens", "int32", "generated length, the end-of-turn token included"),
+    ("num_reasoning_tokens", "int32?", "generated tokens up to and including think-end"),
+    ("num_answer_tokens", "int32?", "generated tokens after think-end"),
+    ("num_total_tokens", "int32", "len(input_ids)"),
+    ("finish_type", "string", "the engine's finish reason (stop or length)"),
+]
+
+
+def front_matter(categories: list[str]) -> dict:
+    configs = [
+        {
+            "config_name": "all",
+            "data_files": [{"split": "train", "path": "*/*.parquet"}],
+            "default": True,
+        }
+    ]
+    for cat in categories:
+        if cat == "all":  # would shadow the default config; reachable through `all`
+            continue
+        configs.append(
+            {"config_name": cat, "data_files": [{"split": "train", "path": f"{cat}/*.parquet"}]}
+        )
+    return {
+        "pretty_name": "tokenmill EAGLE-3 drafter training data",
+        "tags": ["speculative-decoding", "eagle3", "token-ids", "synthetic"],
+        "task_categories": ["text-generation"],
+        "configs": configs,
+    }
+
+
+def render(results_dir, config: dict, summary: dict | None) -> str:
+    results = Path(results_dir)
+    dataset = results / "dataset"
+    categories = sorted(
+        p.name for p in dataset.iterdir() if p.is_dir() and any(p.glob("*.parquet"))
+    )
+    tok_fps = set()
+    for f in sorted(dataset.glob("*/*.parquet")):
+        fp = contracts.read_metadata(f).get(contracts.META_TOKENIZER_FINGERPRINT)
+        if fp:
+            tok_fps.add(fp)
+    gen = config.get("generation", {})
+    tok = config.get("tokenizer", {})
+    lines = ["---", yaml.safe_dump(front_matter(categories), sort_keys=False).rstrip(), "---", ""]
+    lines += [
+        "# tokenmill EAGLE-3 drafter training data",
+        "",
+        "Training data for an EAGLE-3 speculative-decoding drafter, stored as **raw token ids**. "
+        "Each row is a prompt (the chat template applied by the target model's tokenizer) and "
+        "the target model's own response to it, generated token by token through SGLang's "
+        "native `/generate` API. No text was decoded, parsed or re-tokenized: `input_ids` is "
+        "exactly what the target model saw and produced, the end-of-turn token included.",
+        "",
+        "## How it was made",
+        "",
+        f"- Target model: `{gen.get('model')}` (revision `{gen.get('revision')}`), "
+        f"engine `{gen.get('engine', 'sglang')}`",
+        f"- Tokenizer: `{tok.get('path')}` (revision `{tok.get('revision')}`), fingerprint "
+        + ", ".join(f"`{fp}`" for fp in sorted(tok_fps) or ["unknown"]),
+        "- Chat template kwargs: "
+        f"`{contracts.canonical_json(tok.get('chat_template_kwargs', {}))}`",
+        f"- Sampling: `{contracts.canonical_json(gen.get('sampling', {}))}`, stop tokens "
+        f"`{contracts.canonical_json(gen.get('stop_tokens', []))}`, seed policy "
+        f"`{gen.get('seed_policy', 'none')}`",
+        "- Rejected samples (truncated, aborted, missing stop token, too long, ...) are not in "
+        "this dataset; they are listed with a reason in the pipeline's `rejected/` folder, and "
+        "`provenance.json` records every input, setting and output checksum.",
+        "",
+        "## Loading",
+        "",
+        "```python",
+        "from datasets import load_dataset",
+        'ds = load_dataset("path/to/dataset", name="all", split="train")  # or a category',
+        "```",
+        "",
+        "Configs: " + ", ".join(f"`{c}`" for c in ["all"] + [c for c in categories if c != "all"]),
+        "",
+        "## Columns",
+        "",
+        "| column | type | meaning |",
+        "|---|---|---|",
+    ]
+    lines += [f"| `{n}` | {t} | {d} |" for n, t, d in COLUMNS]
+    if summary:
+        lines += ["", "## Statistics", ""]
+        lines += [
+            "| category | rows | prompt tokens (mean) | output tokens (mean / p99) | "
+            "total tokens (mean / max) |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        scopes = list(summary.get("categories", {}).items()) + [("all", summary.get("overall"))]
+        for cat, s in scopes:
+            if not s:
+                continue
+            L = s["lengths"]
+            lines.append(
+                f"| {cat} | {L['total_tokens']['count']} | {L['prompt_tokens']['mean']} | "
+                f"{L['output_tokens']['mean']} / {L['output_tokens']['p99']} | "
+                f"{L['total_tokens']['mean']} / {L['total_tokens']['max']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tokenmill card")
+    parser.add_argument("--results-dir", default="results")
+    parser.add_argument("--config-json", required=True, help="resolved config (file or JSON)")
+    parser.add_argument("--stats", help="results/stats/summary.json")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    from tokenmill.merge import json_arg
+
+    summary = json.loads(Path(args.stats).read_text()) if args.stats else None
+    text = render(args.results_dir, json_arg(args.config_json), summary)
+    tmp = contracts.atomic_path(args.out)
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

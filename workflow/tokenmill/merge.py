@@ -1,0 +1,502 @@
+"""`tokenmill merge`: one tokenized + one generated shard -> one validated training shard.
+
+    input_ids = prompt_ids + output_ids
+    loss_mask = [0] * len(prompt_ids) + [1] * len(output_ids)   (the matched stop token included)
+
+Output columns (contracts.DATASET, results/dataset/{category}/{shard}.parquet, sorted by
+prompt_id): prompt_id, category, sample_key, input_ids list<int32>, loss_mask list<int8>,
+num_prompt_tokens, num_output_tokens, num_reasoning_tokens / num_answer_tokens (output tokens
+up to and including the first dataset.think_end_token / the rest; null when think_end_token is
+null), num_total_tokens, finish_type.
+
+Rows that fail validation (validate.py, one reason code each), duplicate and unknown generated
+rows, and tokenized prompts that were neither generated nor rejected by generate
+(`not_generated`) go to results/rejected/merge/{category}/{shard}.parquet. The rejected row's
+`record` holds the sample's scalar fields as canonical JSON (the tokens stay in the generated
+shard). Conservation, checked on every run (the command fails with the counts otherwise):
+
+    tokenized prompts = dataset rows + distinct tokenized prompts rejected by merge
+                        + prompts rejected by generate (--generate-rejected)
+
+File metadata: tokenmill.records_in (generated rows + not_generated prompts, i.e. everything
+merge accounts for), records_kept, records_rejected (in = kept + rejected), tokenmill.not_generated,
+tokenmill.generate_rejected, tokenmill.tokenized_rows, and the tokenizer and generation
+fingerprints carried over from the input shards.
+
+JSONL export (--jsonl-out, results/export/{category}/{shard}.jsonl): one line per dataset row,
+same order, `{"input_ids":[...],"loss_mask":[...]}` -- the pre-tokenized format read by
+SpecForge and vLLM speculators (input_ids: prompt + response token ids; loss_mask: 1 where the
+drafter is trained, i.e. on the response).
+
+Everything is vectorized over flattened token arrays and streamed in batches of
+contracts.ROW_GROUP_SIZE rows: input row groups are read when a batch first needs them and
+dropped after the last batch that needs them, so memory stays at a few row groups when the
+inputs are sorted by prompt_id (as every stage writes them), whatever the shard size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from tokenmill import contracts, keys, validate
+from tokenmill.validate import REASONS, Rules
+
+BATCH_ROWS = contracts.ROW_GROUP_SIZE
+# Up to this many token bytes of a shard stay in memory between the two passes; larger shards
+# are read again in pass 2 (memory stays bounded by a few row groups).
+KEEP_IN_MEMORY_BYTES = 256 << 20
+META_RECORDS_IN = "tokenmill.records_in"
+META_RECORDS_KEPT = "tokenmill.records_kept"
+META_RECORDS_REJECTED = "tokenmill.records_rejected"
+
+
+class ConservationError(RuntimeError):
+    """The counts of a shard do not add up."""
+
+
+@dataclass
+class MergeResult:
+    tokenized: int = 0
+    generated: int = 0
+    kept: int = 0
+    rejected: int = 0
+    generate_rejected: int = 0
+    not_generated: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+class _RowGroupColumn:
+    """One list column of a Parquet file, gathered by row index, row group by row group.
+
+    It is given every batch's row indices up front so that each row group is released after
+    the last batch that needs it.
+    """
+
+    def __init__(self, path, column: str, batches: list[np.ndarray]):
+        self.pf = pq.ParquetFile(path, memory_map=True)
+        self.column = column
+        sizes = [self.pf.metadata.row_group(i).num_rows for i in range(self.pf.num_row_groups)]
+        self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.cache: dict[int, pa.Array] = {}
+        self.last_use: dict[int, int] = {}
+        for b, rows in enumerate(batches):
+            for g in np.unique(self.group_of(rows)):
+                self.last_use[int(g)] = b
+
+    def group_of(self, rows: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.starts, rows, side="right") - 1
+
+    def take(self, rows: np.ndarray, batch_no: int) -> pa.Array:
+        groups = self.group_of(rows)
+        parts, order = [], []
+        for g in np.unique(groups):
+            g = int(g)
+            if g not in self.cache:
+                col = self.pf.read_row_group(g, columns=[self.column]).column(0)
+                self.cache[g] = col.combine_chunks()
+            sel = np.flatnonzero(groups == g)
+            parts.append(self.cache[g].take(pa.array(rows[sel] - self.starts[g])))
+            order.append(sel)
+        for g in [g for g, last in self.last_use.items() if last <= batch_no and g in self.cache]:
+            del self.cache[g]
+        if not parts:
+            return pa.array([], type=self.pf.schema_arrow.field(self.column).type)
+        out = pa.concat_arrays(parts) if len(parts) > 1 else parts[0]
+        order = np.concatenate(order)
+        if not np.array_equal(order, np.arange(len(order))):
+            # rows came from row groups out of order: put them back in batch order
+            out = out.take(pa.array(np.argsort(order, kind="stable")))
+        return out
+
+
+def list_parts(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets from 0 as int64, values as a numpy array) of a list array, nulls as empty."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    if arr.null_count:
+        arr = pc.fill_null(arr, pa.scalar([], type=arr.type))
+    offsets = np.asarray(arr.offsets, dtype=np.int64)
+    values = arr.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+    return offsets - offsets[0], values
+
+
+def sample_keys(fingerprint: str, offsets: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """keys.sample_key of every row, hashing slices of one little-endian buffer."""
+    buf = np.ascontiguousarray(values, dtype="<i4").tobytes()
+    prefix = fingerprint.encode() + b":"
+    sha = hashlib.sha256
+    b = offsets * 4
+    return np.array(
+        [sha(prefix + buf[b[i] : b[i + 1]]).hexdigest()[:32] for i in range(len(offsets) - 1)],
+        dtype=object,
+    )
+
+
+def concat_lists(p_off, p_val, o_off, o_val):
+    """input_ids and loss_mask as flattened arrays: prompt then output of every row."""
+    p_len, o_len = np.diff(p_off), np.diff(o_off)
+    total = p_len + o_len
+    off = np.zeros(len(total) + 1, dtype=np.int64)
+    np.cumsum(total, out=off[1:])
+    ids = np.empty(int(off[-1]), dtype=np.int32)
+    mask = np.zeros(int(off[-1]), dtype=np.int8)
+    # destination of each value = start of its row in the output + its position in its row
+    dest_p = np.arange(len(p_val)) + np.repeat(off[:-1] - p_off[:-1], p_len)
+    dest_o = np.arange(len(o_val)) + np.repeat(off[:-1] + p_len - o_off[:-1], o_len)
+    ids[dest_p] = p_val
+    ids[dest_o] = o_val
+    mask[dest_o] = 1
+    return off, ids, mask
+
+
+def jsonl_lines(input_ids: pa.ListArray, loss_mask: pa.ListArray) -> str:
+    """JSONL text for a batch, built by Arrow string kernels (no Python loop over tokens)."""
+    if len(input_ids) == 0:
+        return ""
+    ids = pc.binary_join(input_ids.cast(pa.list_(pa.string())), ",")
+    mask = pc.binary_join(loss_mask.cast(pa.list_(pa.string())), ",")
+    lines = pc.binary_join_element_wise(
+        '{"input_ids":[', ids, '],"loss_mask":[', mask, "]}", ""
+    ).to_pylist()
+    return "\n".join(lines) + "\n"
+
+
+def _read_scalar(path, columns) -> pa.Table:
+    return pq.read_table(path, columns=columns, memory_map=True)
+
+
+def merge_shard(
+    tokenized: str | os.PathLike,
+    generated: str | os.PathLike,
+    out: str | os.PathLike,
+    rejected: str | os.PathLike,
+    rules: Rules,
+    generation_fp: str,
+    category: str,
+    shard: str,
+    generate_rejected: str | os.PathLike | None = None,
+    jsonl_out: str | os.PathLike | None = None,
+) -> MergeResult:
+    """Merge one shard; raises ConservationError when the counts do not add up."""
+    res = MergeResult()
+    tok = _read_scalar(tokenized, ["prompt_id"])
+    gen = _read_scalar(generated, ["prompt_id", "sample_key", "finish_type", "finish_matched_id"])
+    tok_pid, gen_pid = tok.column("prompt_id"), gen.column("prompt_id")
+    res.tokenized, res.generated = tok.num_rows, gen.num_rows
+    if pc.count_distinct(tok_pid).as_py() != tok.num_rows:
+        raise ConservationError(f"{tokenized}: prompt_id is not unique in the tokenized shard")
+
+    # Join generated rows to tokenized rows.
+    tok_index = pc.index_in(gen_pid, value_set=tok_pid.combine_chunks())
+    known = tok_index.is_valid().to_numpy(zero_copy_only=False)
+    tidx = tok_index.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    per_prompt = np.bincount(tidx[known], minlength=tok.num_rows)
+    dup = known & (per_prompt[np.where(known, tidx, 0)] > 1)
+
+    gen_rej_pids = pa.array([], pa.string())
+    if generate_rejected and Path(generate_rejected).exists():
+        gen_rej_pids = _read_scalar(generate_rejected, ["prompt_id"]).column("prompt_id")
+        gen_rej_pids = gen_rej_pids.combine_chunks().drop_null()
+    res.generate_rejected = len(gen_rej_pids)
+    tok_gen_rejected = pc.is_in(tok_pid, value_set=gen_rej_pids).to_numpy(zero_copy_only=False)
+    not_generated = np.flatnonzero((per_prompt == 0) & ~tok_gen_rejected)
+
+    rejected_rows: list[dict] = []
+    gen_pid_np = gen_pid.to_numpy(zero_copy_only=False)
+    gen_key_np = gen.column("sample_key").to_numpy(zero_copy_only=False)
+    finish_np = gen.column("finish_type").to_numpy(zero_copy_only=False)
+    matched_np = gen.column("finish_matched_id").to_pylist()
+    tok_pid_np = tok_pid.to_numpy(zero_copy_only=False)
+    tok_counts = _read_scalar(tokenized, ["num_prompt_tokens"]).column(0)
+    tok_counts = tok_counts.to_numpy(zero_copy_only=False)
+
+    def reject(reason, pid, detail, record=None):
+        rejected_rows.append(
+            {
+                "stage": "merge",
+                "category": category,
+                "reason": reason,
+                "detail": detail,
+                "source": f"{category}/{shard}",
+                "prompt_id": pid,
+                "record": contracts.canonical_json(record) if record is not None else None,
+            }
+        )
+
+    def gen_record(g, **extra):
+        rec = {
+            "prompt_id": gen_pid_np[g],
+            "sample_key": gen_key_np[g],
+            "finish_type": finish_np[g],
+            "finish_matched_id": matched_np[g],
+        }
+        rec.update(extra)
+        return rec
+
+    for g in np.flatnonzero(~known):
+        reject(
+            "unknown_prompt_id",
+            gen_pid_np[g],
+            validate.describe("unknown_prompt_id"),
+            gen_record(g),
+        )
+    for t in not_generated:
+        reject(
+            "not_generated",
+            tok_pid_np[t],
+            validate.describe("not_generated"),
+            {"prompt_id": tok_pid_np[t], "num_prompt_tokens": int(tok_counts[t])},
+        )
+    res.not_generated = len(not_generated)
+
+    # Candidates: generated rows whose prompt is known, in prompt_id order (duplicates
+    # included: validation rejects them with their own reason).
+    cand = np.flatnonzero(known)
+    cand_pid = pa.array(gen_pid_np[cand], pa.string())
+    order = pc.sort_indices(
+        pa.table({"p": cand_pid, "k": pa.array(gen_key_np[cand], pa.string())}),
+        sort_keys=[("p", "ascending"), ("k", "ascending")],
+    ).to_numpy()
+    cand = cand[order]
+    batches_g = [cand[i : i + BATCH_ROWS] for i in range(0, len(cand), BATCH_ROWS)]
+    batches_t = [tidx[b] for b in batches_g]
+
+    # Pass 1: validate every candidate. The counts must be known before the output is opened
+    # (they go in the schema metadata, which contracts.read_metadata reads), so the kept rows
+    # are built in pass 2; only one reason code per row is kept in between.
+    reason_counts = np.zeros(len(REASONS), dtype=np.int64)
+    batch_reasons: list[np.ndarray] = []
+    held, held_batches = 0, {}
+    prompts_col = _RowGroupColumn(tokenized, "prompt_ids", batches_t)
+    outputs_col = _RowGroupColumn(generated, "output_ids", batches_g)
+    for b, (gi, ti) in enumerate(zip(batches_g, batches_t, strict=True)):
+        p_off, p_val = list_parts(p_arr := prompts_col.take(ti, b))
+        o_off, o_val = list_parts(o_arr := outputs_col.take(gi, b))
+        keys_np = gen_key_np[gi]
+        expected = sample_keys(generation_fp, p_off, p_val)
+        reason = validate.validate(
+            rules, p_val, p_off, o_val, o_off, finish_np[gi], expected == keys_np, dup[gi]
+        )
+        batch_reasons.append(reason)
+        # Small shards keep their batches for pass 2 instead of reading the inputs again.
+        size = p_val.nbytes + o_val.nbytes
+        if held + size <= KEEP_IN_MEMORY_BYTES:
+            held += size
+            held_batches[b] = (p_arr, o_arr)
+        reason_counts += np.bincount(reason[reason >= 0], minlength=len(REASONS))
+        p_len, o_len = np.diff(p_off), np.diff(o_off)
+        for i in np.flatnonzero(reason >= 0):
+            code = REASONS[reason[i]]
+            g = gi[i]
+            ctx = {
+                "count": int(per_prompt[tidx[g]]),
+                "got": keys_np[i],
+                "expected": expected[i],
+                "output": int(o_len[i]),
+                "vocab": rules.vocab_size,
+                "last": int(o_val[o_off[i + 1] - 1]) if o_len[i] else None,
+                "stops": list(rules.stop_ids),
+                "think": rules.think_end_id,
+                "total": int(p_len[i] + o_len[i]),
+                "limit": rules.max_sequence_tokens,
+            }
+            record = gen_record(g, num_prompt_tokens=int(p_len[i]), num_output_tokens=int(o_len[i]))
+            reject(code, gen_pid_np[g], validate.describe(code, **ctx), record)
+        res.kept += int((reason < 0).sum())
+    del prompts_col, outputs_col
+
+    res.reasons = {REASONS[i]: int(c) for i, c in enumerate(reason_counts) if c}
+    for r in rejected_rows:
+        if r["reason"] in validate.JOIN_REASONS:
+            res.reasons[r["reason"]] = res.reasons.get(r["reason"], 0) + 1
+    res.rejected = len(rejected_rows)
+
+    # Conservation over tokenized prompts (see the module docstring); nothing is written
+    # when it fails.
+    rej_tok_prompts = {r["prompt_id"] for r in rejected_rows if r["reason"] != "unknown_prompt_id"}
+    accounted = res.kept + len(rej_tok_prompts) + res.generate_rejected
+    if accounted != res.tokenized:
+        raise ConservationError(
+            f"merge {category}/{shard}: counts do not add up: tokenized={res.tokenized} != "
+            f"dataset={res.kept} + merge_rejected_prompts={len(rej_tok_prompts)} + "
+            f"generate_rejected={res.generate_rejected} (= {accounted}); "
+            f"generated rows={res.generated}"
+        )
+
+    tok_meta = contracts.read_metadata(tokenized)
+    gen_meta = contracts.read_metadata(generated)
+    meta = {
+        contracts.META_CATEGORY: category,
+        contracts.META_SHARD: shard,
+        contracts.META_GENERATION_FINGERPRINT: gen_meta.get(
+            contracts.META_GENERATION_FINGERPRINT, generation_fp
+        ),
+        META_RECORDS_IN: res.generated + res.not_generated,
+        META_RECORDS_KEPT: res.kept,
+        META_RECORDS_REJECTED: res.rejected,
+        "tokenmill.not_generated": res.not_generated,
+        "tokenmill.generate_rejected": res.generate_rejected,
+        "tokenmill.tokenized_rows": res.tokenized,
+    }
+    if contracts.META_TOKENIZER_FINGERPRINT in tok_meta:
+        meta[contracts.META_TOKENIZER_FINGERPRINT] = tok_meta[contracts.META_TOKENIZER_FINGERPRINT]
+
+    # Pass 2: build and write the kept rows, batch by batch.
+    todo = [b for b, r in enumerate(batch_reasons) if (r < 0).any()]
+    reread = [b for b in todo if b not in held_batches]
+    keep_g = {b: batches_g[b][batch_reasons[b] < 0] for b in todo}
+    keep_t = {b: tidx[keep_g[b]] for b in todo}
+    prompts_col = _RowGroupColumn(tokenized, "prompt_ids", [keep_t[b] for b in reread])
+    outputs_col = _RowGroupColumn(generated, "output_ids", [keep_g[b] for b in reread])
+    reread_no = {b: i for i, b in enumerate(reread)}
+    jsonl_tmp = contracts.atomic_path(jsonl_out) if jsonl_out else None
+    try:
+        with contracts.ParquetWriter(out, contracts.DATASET, "merge", meta) as writer:
+            jsonl_f = open(jsonl_tmp, "w", encoding="utf-8") if jsonl_tmp else None  # noqa: SIM115
+            try:
+                for b in todo:
+                    gi, ti = keep_g[b], keep_t[b]
+                    if b in held_batches:
+                        mask = pa.array(batch_reasons[b] < 0)
+                        p_arr, o_arr = (a.filter(mask) for a in held_batches.pop(b))
+                    else:
+                        p_arr = prompts_col.take(ti, reread_no[b])
+                        o_arr = outputs_col.take(gi, reread_no[b])
+                    p_off, p_val = list_parts(p_arr)
+                    o_off, o_val = list_parts(o_arr)
+                    table = _dataset_batch(
+                        p_off,
+                        p_val,
+                        o_off,
+                        o_val,
+                        gi,
+                        gen_pid_np,
+                        gen_key_np,
+                        finish_np,
+                        category,
+                        rules,
+                    )
+                    writer.write(table)
+                    if jsonl_f:
+                        jsonl_f.write(
+                            jsonl_lines(
+                                table.column("input_ids").combine_chunks(),
+                                table.column("loss_mask").combine_chunks(),
+                            )
+                        )
+            finally:
+                if jsonl_f:
+                    jsonl_f.close()
+        if jsonl_tmp:
+            os.replace(jsonl_tmp, jsonl_out)
+    finally:
+        if jsonl_tmp:
+            jsonl_tmp.unlink(missing_ok=True)
+
+    rejected_rows.sort(key=lambda r: (r["prompt_id"] or "", r["reason"], r["record"] or ""))
+    contracts.write_table(
+        contracts.rejected_table(rejected_rows),
+        rejected,
+        contracts.REJECTED,
+        "merge",
+        {contracts.META_CATEGORY: category, contracts.META_SHARD: shard},
+    )
+    return res
+
+
+def _dataset_batch(
+    p_off, p_val, o_off, o_val, g, gen_pid_np, gen_key_np, finish_np, category, rules
+) -> pa.Table:
+    """DATASET rows for generated rows `g` (all valid) and their prompt/output tokens."""
+    off, ids, mask = concat_lists(p_off, p_val, o_off, o_val)
+    off32 = pa.array(off.astype(np.int32))
+    p_len = np.diff(p_off).astype(np.int32)
+    o_len = np.diff(o_off).astype(np.int32)
+    reasoning, answer = validate.reasoning_counts(o_val, o_off, rules.think_end_id)
+    n = len(g)
+    return pa.table(
+        {
+            "prompt_id": pa.array(gen_pid_np[g], pa.string()),
+            "category": pa.array([category] * n, pa.string()),
+            "sample_key": pa.array(gen_key_np[g], pa.string()),
+            "input_ids": pa.ListArray.from_arrays(off32, pa.array(ids, pa.int32())),
+            "loss_mask": pa.ListArray.from_arrays(off32, pa.array(mask, pa.int8())),
+            "num_prompt_tokens": pa.array(p_len, pa.int32()),
+            "num_output_tokens": pa.array(o_len, pa.int32()),
+            "num_reasoning_tokens": pa.array(
+                reasoning.astype(np.int32) if reasoning is not None else [None] * n, pa.int32()
+            ),
+            "num_answer_tokens": pa.array(
+                answer.astype(np.int32) if answer is not None else [None] * n, pa.int32()
+            ),
+            "num_total_tokens": pa.array(p_len + o_len, pa.int32()),
+            "finish_type": pa.array(finish_np[g], pa.string()),
+        }
+    )
+
+
+def json_arg(value: str) -> dict:
+    """A JSON object given inline ('{...}') or as a file path."""
+    if value.lstrip().startswith("{"):
+        return json.loads(value)
+    with open(value, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tokenmill merge", description=__doc__.split("\n")[0])
+    parser.add_argument("--category", required=True)
+    parser.add_argument("--shard", required=True)
+    parser.add_argument("--tokenized", required=True)
+    parser.add_argument("--generated", required=True)
+    parser.add_argument("--generate-rejected", help="results/rejected/generate/{c}/{s}.parquet")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rejected", required=True)
+    parser.add_argument("--jsonl-out")
+    parser.add_argument("--dataset-config", required=True, help="JSON object or JSON file")
+    parser.add_argument("--generation-config", required=True, help="JSON object or JSON file")
+    parser.add_argument("--tokenizer-config", required=True, help="JSON object or JSON file")
+    parser.add_argument("--basedir", default=".")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from tokenmill.tokenizer import load_tokenizer
+
+    ds_cfg = json_arg(args.dataset_config)
+    gen_cfg = json_arg(args.generation_config)
+    tok_cfg = json_arg(args.tokenizer_config)
+    tokenizer = load_tokenizer(tok_cfg, args.basedir)
+    rules = validate.rules_from_config(ds_cfg, gen_cfg, tokenizer)
+    try:
+        res = merge_shard(
+            args.tokenized,
+            args.generated,
+            args.out,
+            args.rejected,
+            rules,
+            keys.generation_fingerprint(gen_cfg),
+            args.category,
+            args.shard,
+            generate_rejected=args.generate_rejected,
+            jsonl_out=args.jsonl_out,
+        )
+    except ConservationError as exc:
+        print(f"tokenmill merge: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"merge {args.category}/{args.shard}: tokenized={res.tokenized} generated={res.generated} "
+        f"kept={res.kept} rejected={res.rejected} generate_rejected={res.generate_rejected} "
+        f"reasons={contracts.canonical_json(res.reasons)}",
+        file=sys.stderr,
+    )
+    return 0

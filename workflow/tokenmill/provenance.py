@@ -1,0 +1,481 @@
+"""`tokenmill provenance`: what produced every file of a run, in one JSON manifest.
+
+    tokenmill provenance --results-dir results --config-json CONFIG.json \
+        --configfiles config.yaml [...] --out results/provenance.json [--basedir .]
+    tokenmill provenance --compare MANIFEST --results-dir NEW_RESULTS --out report.json
+
+Schema "tokenmill.provenance/1" (keys sorted on disk):
+
+    schema            "tokenmill.provenance/1"
+    results_dir       the results directory as given
+    config            resolved (the resolved config), sha256 (of its canonical JSON),
+                      files [{path, size, sha256}] (the --configfiles)
+    inputs            {category: [{kind: "file", path, size, sha256}
+                                  | {kind: "hub", name, config, split, revision}]},
+                      prepare_metadata {category: tokenmill.* metadata of the prompts file,
+                      where prepare records hub dataset fingerprints}
+    tokenizer         path, revision, trust_remote_code, chat_template, chat_template_kwargs,
+                      fingerprints (from tokenized shards), files [{path, size, sha256}]
+                      (every file of a local tokenizer directory, and the chat template file)
+    model             id, revision, engine
+    generation        fingerprint, sampling, stop_tokens, seed_policy, mode,
+                      api_key_env (the variable's NAME only, never its value)
+    engine            [{category, shard, meta}] the generate meta files (redacted again)
+    jobs              [{category, shard, slurm_job_id, host, nodelist, start, end}]
+    times             start, end (earliest/latest of the meta files; else file mtimes)
+    software          python, platform, packages {name: version or null}
+    workflow          git_commit, dirty (null when basedir is not a git checkout)
+    outputs           [{path (relative to results), size, sha256, rows (parquet only)}],
+                      every file under results except the journal, provenance.json and
+                      temporary files
+    generated_samples {path: {prompt_id: sha256(output_ids as little-endian int32)[:16]}}
+                      so a rerun can be compared sample by sample
+
+Secrets: values under secret-looking keys (api_key, token, password, secret, authorization)
+and after --api-key style flags are replaced by "<redacted>", and the value of the environment
+variable named by generation.api_key_env is scrubbed from the whole manifest text.
+
+Reproducing: `check_reproducible(manifest, config, basedir)` lists what differs locally
+(tokenizer files, input files, model/revision); `compare_outputs(manifest, results_dir)`
+checks that prepare and tokenize outputs are byte-identical and counts identical generated
+samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import hashlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from tokenmill import contracts, keys
+
+SCHEMA = "tokenmill.provenance/1"
+PACKAGES = (
+    "tokenmill",
+    "snakemake",
+    "transformers",
+    "tokenizers",
+    "pyarrow",
+    "datasets",
+    "torch",
+    "aiohttp",
+    "sglang",
+    "numpy",
+    "jinja2",
+)
+REDACTED = "<redacted>"
+_SECRET_KEY = re.compile(r"(api[_-]?key|token$|secret|password|authorization|credential)", re.I)
+_SECRET_FLAGS = ("--api-key", "--admin-api-key", "--hf-token", "--token")
+
+
+def sha256_file(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_entry(path, rel_to=None) -> dict:
+    p = Path(path)
+    return {
+        "path": str(p.relative_to(rel_to)) if rel_to else str(path),
+        "size": p.stat().st_size,
+        "sha256": sha256_file(p),
+    }
+
+
+def redact(value):
+    """Copy of `value` with secret-looking keys and --api-key style arguments redacted."""
+    if isinstance(value, dict):
+        return {
+            k: (
+                REDACTED
+                if _SECRET_KEY.search(str(k))
+                and v not in (None, "", False)
+                and not isinstance(v, dict | list)
+                else redact(v)
+            )
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        out, hide_next = [], False
+        for v in value:
+            if hide_next:
+                out.append(REDACTED)
+                hide_next = False
+                continue
+            if isinstance(v, str) and v.split("=", 1)[0] in _SECRET_FLAGS:
+                if "=" in v:
+                    out.append(v.split("=", 1)[0] + "=" + REDACTED)
+                else:
+                    out.append(v)
+                    hide_next = True
+                continue
+            out.append(redact(v))
+        return out
+    return value
+
+
+def scrub_text(text: str, config: dict) -> str:
+    """Remove the API key's value (if its env var is set) from serialized text."""
+    name = (config.get("generation") or {}).get("api_key_env")
+    secret = os.environ.get(name) if name else None
+    if secret:
+        text = text.replace(secret, REDACTED)
+        text = text.replace(json.dumps(secret)[1:-1], REDACTED)
+    return text
+
+
+def _inputs(config: dict, basedir: Path) -> dict:
+    from tokenmill.config import normalize_source
+
+    out = {}
+    for cat, spec in sorted(config.get("categories", {}).items()):
+        entries = []
+        for src in spec.get("sources", []):
+            s = normalize_source(src, spec)
+            if "hub" in s:
+                entries.append(
+                    {
+                        "kind": "hub",
+                        "name": s["hub"],
+                        "config": s.get("config"),
+                        "split": s.get("split"),
+                        "revision": s.get("revision"),
+                    }
+                )
+                continue
+            for f in sorted(glob.glob(str(basedir / s["path"]))):
+                e = file_entry(f, basedir)
+                e["kind"] = "file"
+                entries.append(e)
+        out[cat] = entries
+    return out
+
+
+def _tokenizer_files(config: dict, basedir: Path) -> list[dict]:
+    tok = config.get("tokenizer", {})
+    files = []
+    local = basedir / tok.get("path", "")
+    if tok.get("path") and local.is_dir():
+        files += [file_entry(p, basedir) for p in sorted(local.rglob("*")) if p.is_file()]
+    if tok.get("chat_template") and (basedir / tok["chat_template"]).is_file():
+        files.append(file_entry(basedir / tok["chat_template"], basedir))
+    return files
+
+
+def _git(basedir: Path) -> dict:
+    def run(*args):
+        try:
+            r = subprocess.run(
+                ["git", "-C", str(basedir), *args], capture_output=True, text=True, timeout=30
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    commit = run("rev-parse", "HEAD")
+    status = run("status", "--porcelain") if commit else None
+    return {"git_commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def _software() -> dict:
+    pkgs = {}
+    for name in PACKAGES:
+        try:
+            pkgs[name] = importlib_metadata.version(name)
+        except importlib_metadata.PackageNotFoundError:
+            pkgs[name] = None
+    return {"python": sys.version.split()[0], "platform": platform.platform(), "packages": pkgs}
+
+
+def _excluded(rel: str, journal_rel: str | None, out_rel: str | None) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    if rel == out_rel or rel == "provenance.json" or (name.startswith(".") and ".tmp" in name):
+        return True
+    return bool(journal_rel) and (rel == journal_rel or rel.startswith(journal_rel + "/"))
+
+
+def output_paths(results: Path, config: dict, out_path: Path | None = None) -> list[str]:
+    """Paths (relative, posix) of the files under results that the provenance lists."""
+    journal = Path(config.get("journal_dir", "results/journal"))
+    journal_rel = None
+    try:
+        journal_rel = str(journal.resolve().relative_to(results.resolve()))
+    except ValueError:
+        # journal_dir is relative to the workflow dir, results_dir too: compare the tails
+        rd = Path(config.get("results_dir", "results"))
+        if journal.parts[: len(rd.parts)] == rd.parts:
+            journal_rel = "/".join(journal.parts[len(rd.parts) :])
+    out_rel = None
+    if out_path is not None:
+        with contextlib.suppress(ValueError):
+            out_rel = str(out_path.resolve().relative_to(results.resolve()))
+    rels = (p.relative_to(results).as_posix() for p in sorted(results.rglob("*")) if p.is_file())
+    return [rel for rel in rels if not _excluded(rel, journal_rel, out_rel)]
+
+
+def list_outputs(results: Path, config: dict, out_path: Path | None = None) -> list[dict]:
+    entries = []
+    for rel in output_paths(results, config, out_path):
+        p = results / rel
+        e = file_entry(p, results)
+        e["path"] = rel
+        if p.suffix == ".parquet":
+            e["rows"] = pq.ParquetFile(p).metadata.num_rows
+        entries.append(e)
+    return entries
+
+
+def sample_digests(path) -> dict[str, str]:
+    """{prompt_id: sha256(output_ids)[:16]} of a generated shard."""
+    t = pq.read_table(path, columns=["prompt_id", "output_ids"])
+    col = t.column("output_ids").combine_chunks()
+    off = np.asarray(col.offsets, dtype=np.int64)
+    vals = col.values.to_numpy(zero_copy_only=False).astype("<i4")
+    pids = t.column("prompt_id").to_pylist()
+    return {
+        pid: hashlib.sha256(vals[off[i] : off[i + 1]].tobytes()).hexdigest()[:16]
+        for i, pid in enumerate(pids)
+    }
+
+
+def build(results_dir, config: dict, configfiles=(), basedir=".", out_path=None) -> dict:
+    results, base = Path(results_dir), Path(basedir)
+    gen = config.get("generation", {})
+    tok = config.get("tokenizer", {})
+    engine, jobs, starts, ends = [], [], [], []
+    for m in sorted((results / "generated").glob("*/*.meta.json")):
+        meta = redact(json.loads(m.read_text()))
+        cat, shard = m.parent.name, m.name[: -len(".meta.json")]
+        engine.append({"category": cat, "shard": shard, "meta": meta})
+        start = meta.get("start_time") or meta.get("start")
+        end = meta.get("end_time") or meta.get("end")
+        starts += [str(start)] if start else []
+        ends += [str(end)] if end else []
+        slurm = meta.get("slurm") if isinstance(meta.get("slurm"), dict) else {}
+        jobs.append(
+            {
+                "category": cat,
+                "shard": shard,
+                "slurm_job_id": meta.get("slurm_job_id") or slurm.get("job_id"),
+                "nodelist": meta.get("slurm_nodelist") or slurm.get("nodelist"),
+                "host": meta.get("host"),
+                "start": start,
+                "end": end,
+            }
+        )
+    outputs = list_outputs(results, config, Path(out_path) if out_path else None)
+    if not starts and outputs:
+        mtimes = [(results / e["path"]).stat().st_mtime for e in outputs]
+        from datetime import UTC, datetime
+
+        starts = [datetime.fromtimestamp(min(mtimes), UTC).isoformat()]
+        ends = [datetime.fromtimestamp(max(mtimes), UTC).isoformat()]
+    tok_fps = sorted(
+        {
+            contracts.read_metadata(f).get(contracts.META_TOKENIZER_FINGERPRINT)
+            for f in (results / "tokenized").glob("*/*.parquet")
+        }
+        - {None}
+    )
+    prepare_meta = {
+        f.stem: {k: v for k, v in contracts.read_metadata(f).items()}
+        for f in sorted((results / "prompts").glob("*.parquet"))
+    }
+    manifest = {
+        "schema": SCHEMA,
+        "results_dir": str(results_dir),
+        "config": {
+            "resolved": redact(config),
+            "sha256": hashlib.sha256(contracts.canonical_json(config).encode()).hexdigest(),
+            "files": [file_entry(f) for f in configfiles],
+        },
+        "inputs": _inputs(config, base),
+        "prepare_metadata": prepare_meta,
+        "tokenizer": {
+            "path": tok.get("path"),
+            "revision": tok.get("revision"),
+            "trust_remote_code": tok.get("trust_remote_code", False),
+            "chat_template": tok.get("chat_template"),
+            "chat_template_kwargs": tok.get("chat_template_kwargs", {}),
+            "fingerprints": tok_fps,
+            "files": _tokenizer_files(config, base),
+        },
+        "model": {
+            "id": gen.get("model"),
+            "revision": gen.get("revision"),
+            "engine": gen.get("engine", "sglang"),
+        },
+        "generation": {
+            "fingerprint": keys.generation_fingerprint(gen) if gen else None,
+            "sampling": gen.get("sampling"),
+            "stop_tokens": gen.get("stop_tokens"),
+            "seed_policy": gen.get("seed_policy", "none"),
+            "mode": gen.get("mode", "managed"),
+            "api_key_env": gen.get("api_key_env"),
+        },
+        "engine": engine,
+        "jobs": jobs,
+        "times": {"start": min(starts) if starts else None, "end": max(ends) if ends else None},
+        "software": _software(),
+        "workflow": _git(base),
+        "outputs": outputs,
+        "generated_samples": {
+            e["path"]: sample_digests(results / e["path"])
+            for e in outputs
+            if e["path"].startswith("generated/") and e["path"].endswith(".parquet")
+        },
+    }
+    return manifest
+
+
+def dumps(manifest: dict, config: dict) -> str:
+    return scrub_text(json.dumps(manifest, indent=2, sort_keys=True), config) + "\n"
+
+
+def check_reproducible(manifest: dict, config: dict, basedir=".") -> list[str]:
+    """Why this checkout cannot reproduce the manifest's run (empty list: it can)."""
+    base = Path(basedir)
+    problems = []
+    want_tok = manifest.get("tokenizer", {})
+    tok = config.get("tokenizer", {})
+    for key in ("path", "revision", "chat_template", "trust_remote_code"):
+        if want_tok.get(key) != tok.get(key, False if key == "trust_remote_code" else None):
+            problems.append(
+                f"tokenizer.{key}: manifest {want_tok.get(key)!r}, config {tok.get(key)!r}"
+            )
+    problems += _diff_files(
+        "tokenizer file", want_tok.get("files", []), _tokenizer_files(config, base)
+    )
+    have_inputs = _inputs(config, base)
+    for cat, want in manifest.get("inputs", {}).items():
+        have = have_inputs.get(cat)
+        if have is None:
+            problems.append(f"category {cat}: in the manifest, not in the config")
+            continue
+        problems += _diff_files(
+            f"input of {cat}",
+            [e for e in want if e["kind"] == "file"],
+            [e for e in have if e["kind"] == "file"],
+        )
+        hub_w = [e for e in want if e["kind"] == "hub"]
+        hub_h = [e for e in have if e["kind"] == "hub"]
+        if hub_w != hub_h:
+            problems.append(f"hub sources of {cat}: manifest {hub_w}, config {hub_h}")
+    for cat in sorted(set(have_inputs) - set(manifest.get("inputs", {}))):
+        problems.append(f"category {cat}: in the config, not in the manifest")
+    model, gen = manifest.get("model", {}), config.get("generation", {})
+    if model.get("id") != gen.get("model") or model.get("revision") != gen.get("revision"):
+        problems.append(
+            f"model: manifest {model.get('id')}@{model.get('revision')}, "
+            f"config {gen.get('model')}@{gen.get('revision')}"
+        )
+    return problems
+
+
+def _diff_files(what, want: list[dict], have: list[dict]) -> list[str]:
+    w = {e["path"]: e for e in want}
+    h = {e["path"]: e for e in have}
+    out = [f"{what} {p}: missing" for p in sorted(set(w) - set(h))]
+    out += [f"{what} {p}: not in the manifest" for p in sorted(set(h) - set(w))]
+    out += [
+        f"{what} {p}: sha256 differs"
+        for p in sorted(set(w) & set(h))
+        if w[p]["sha256"] != h[p]["sha256"]
+    ]
+    return out
+
+
+def compare_outputs(manifest: dict, results_dir) -> dict:
+    """Compare a rerun's results with the manifest.
+
+    prepare (prompts/) and tokenize (tokenized/) outputs must be byte-identical; generated
+    shards are compared sample by sample (identical output_ids per prompt_id).
+    """
+    results = Path(results_dir)
+    want = {e["path"]: e for e in manifest.get("outputs", [])}
+    exact = {"identical": [], "different": [], "missing": []}
+    for path, e in sorted(want.items()):
+        if not path.startswith(("prompts/", "tokenized/")):
+            continue
+        p = results / path
+        if not p.exists():
+            exact["missing"].append(path)
+        elif sha256_file(p) == e["sha256"]:
+            exact["identical"].append(path)
+        else:
+            exact["different"].append(path)
+    samples = {"total": 0, "identical": 0, "different": 0, "missing": 0, "files": {}}
+    for path, digests in sorted(manifest.get("generated_samples", {}).items()):
+        have = sample_digests(results / path) if (results / path).exists() else {}
+        same = sum(1 for k, d in digests.items() if have.get(k) == d)
+        missing = sum(1 for k in digests if k not in have)
+        f = {
+            "total": len(digests),
+            "identical": same,
+            "missing": missing,
+            "different": len(digests) - same - missing,
+        }
+        samples["files"][path] = f
+        for k in ("total", "identical", "different", "missing"):
+            samples[k] += f[k]
+    ok = not exact["different"] and not exact["missing"]
+    return {
+        "schema": "tokenmill.compare/1",
+        "byte_identical_stages": exact,
+        "generated_samples": samples,
+        "ok": ok,
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tokenmill provenance")
+    parser.add_argument("--results-dir", default="results")
+    parser.add_argument("--config-json", help="resolved config (file or JSON)")
+    parser.add_argument("--configfiles", nargs="*", default=[])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--basedir", default=".")
+    parser.add_argument(
+        "--compare",
+        metavar="MANIFEST",
+        help="compare --results-dir with MANIFEST; write the report to --out",
+    )
+    args = parser.parse_args(argv)
+    from tokenmill.merge import json_arg
+
+    tmp = contracts.atomic_path(args.out)
+    if args.compare:
+        manifest = json.loads(Path(args.compare).read_text())
+        report = compare_outputs(manifest, args.results_dir)
+        tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        tmp.replace(args.out)
+        s = report["generated_samples"]
+        print(
+            f"byte-identical: {len(report['byte_identical_stages']['identical'])} files, "
+            f"different: {report['byte_identical_stages']['different']}, missing: "
+            f"{report['byte_identical_stages']['missing']}; generated samples identical "
+            f"{s['identical']}/{s['total']}",
+            file=sys.stderr,
+        )
+        return 0 if report["ok"] else 1
+    if not args.config_json:
+        parser.error("--config-json is required")
+    config = json_arg(args.config_json)
+    manifest = build(args.results_dir, config, args.configfiles, args.basedir, args.out)
+    tmp.write_text(dumps(manifest, config), encoding="utf-8")
+    tmp.replace(args.out)
+    return 0

@@ -1,0 +1,190 @@
+"""Validation of merged samples: vectorized checks over whole batches, one reason code per row.
+
+Every check works on flattened token arrays (values + row offsets), never on Python lists of
+tokens. A row fails with the FIRST reason in `REASONS` order that applies (the order goes from
+"this row does not belong here" to "this row is too long"), so each rejected row has exactly
+one stable reason code:
+
+    duplicate_prompt_id  the prompt_id appears more than once in the generated shard
+    sample_key_mismatch  sample_key != keys.sample_key(fingerprint, prompt_ids): the engine
+                         answered another prompt or another generation config
+    missing_finish       finish_type is null
+    aborted              finish_type "abort"
+    empty_output         no output token
+    truncated            finish_type "length" (only when dataset.reject_truncated)
+    token_out_of_range   an input id outside [0, vocab_size) (vocab_size = len(tokenizer))
+    missing_stop_token   finish_type "stop" but the last output token is not a stop token
+                         (generation.stop_tokens resolved, plus the tokenizer's eos)
+    no_think_end         dataset.think_end_token never appears (only when require_think_end)
+    too_long             prompt + output tokens > dataset.max_sequence_tokens
+
+`not_generated` and `unknown_prompt_id` are decided by the join in merge.py, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+REASONS = (
+    "duplicate_prompt_id",
+    "sample_key_mismatch",
+    "missing_finish",
+    "aborted",
+    "empty_output",
+    "truncated",
+    "token_out_of_range",
+    "missing_stop_token",
+    "no_think_end",
+    "too_long",
+)
+# Decided by the join (merge.py): a tokenized prompt without any generated row or generate
+# rejection, and a generated row whose prompt_id is not in the tokenized shard.
+JOIN_REASONS = ("not_generated", "unknown_prompt_id")
+OK = -1
+
+
+@dataclass(frozen=True)
+class Rules:
+    vocab_size: int
+    stop_ids: tuple[int, ...] = ()
+    think_end_id: int | None = None
+    max_sequence_tokens: int = 32768
+    reject_truncated: bool = True
+    require_think_end: bool = False
+    stop_array: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_array", np.asarray(sorted(set(self.stop_ids)), np.int64))
+
+
+def rules_from_config(dataset_cfg: dict, generation_cfg: dict, tokenizer) -> Rules:
+    """Rules for the `dataset:` section, the generation stop tokens and the loaded tokenizer."""
+    from tokenmill.tokenizer import resolve_token_ids
+
+    stop = resolve_token_ids(tokenizer, generation_cfg.get("stop_tokens") or [])
+    if tokenizer.eos_token_id is not None:
+        stop.append(int(tokenizer.eos_token_id))
+    think = dataset_cfg.get("think_end_token")
+    think_id = resolve_token_ids(tokenizer, [think])[0] if think is not None else None
+    return Rules(
+        vocab_size=len(tokenizer),
+        stop_ids=tuple(stop),
+        think_end_id=think_id,
+        max_sequence_tokens=int(dataset_cfg.get("max_sequence_tokens", 32768)),
+        reject_truncated=bool(dataset_cfg.get("reject_truncated", True)),
+        require_think_end=bool(dataset_cfg.get("require_think_end", False)),
+    )
+
+
+def row_of_values(offsets: np.ndarray) -> np.ndarray:
+    """For flattened list values, the row index of every value."""
+    lengths = np.diff(offsets)
+    return np.repeat(np.arange(len(lengths)), lengths)
+
+
+def any_per_row(flags: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Row-wise any() of a boolean value array."""
+    n = len(offsets) - 1
+    hit = np.flatnonzero(flags)
+    out = np.zeros(n, dtype=bool)
+    if hit.size:
+        out[np.searchsorted(offsets, hit, side="right") - 1] = True
+    return out
+
+
+def first_position(values: np.ndarray, offsets: np.ndarray, token: int) -> np.ndarray:
+    """Per row, the 0-based position of the first `token` (-1 when absent)."""
+    n = len(offsets) - 1
+    out = np.full(n, -1, dtype=np.int64)
+    hit = np.flatnonzero(values == token)
+    if hit.size:
+        rows = np.searchsorted(offsets, hit, side="right") - 1
+        # hits are sorted, so the first index of each row is its first occurrence
+        rows_u, first = np.unique(rows, return_index=True)
+        out[rows_u] = hit[first] - offsets[rows_u]
+    return out
+
+
+def reasoning_counts(
+    out_values: np.ndarray, out_offsets: np.ndarray, think_end_id: int | None
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Reasoning = output tokens up to and including the first think-end; answer = the rest.
+
+    Without think_end_id both are None (null columns). An output without think-end counts as
+    all answer (reasoning 0): it is what a non-thinking turn looks like.
+    """
+    if think_end_id is None:
+        return None, None
+    out_len = np.diff(out_offsets)
+    pos = first_position(out_values, out_offsets, think_end_id)
+    reasoning = np.where(pos >= 0, pos + 1, 0)
+    return reasoning, out_len - reasoning
+
+
+def validate(
+    rules: Rules,
+    prompt_values: np.ndarray,
+    prompt_offsets: np.ndarray,
+    out_values: np.ndarray,
+    out_offsets: np.ndarray,
+    finish_type: list | np.ndarray,
+    key_ok: np.ndarray,
+    duplicate: np.ndarray | None = None,
+) -> np.ndarray:
+    """Reason index per row (into REASONS), OK (-1) for rows that pass every check."""
+    n = len(out_offsets) - 1
+    finish = np.asarray(finish_type, dtype=object)
+    p_len = np.diff(prompt_offsets)
+    o_len = np.diff(out_offsets)
+    vocab = rules.vocab_size
+    bad_prompt = any_per_row((prompt_values < 0) | (prompt_values >= vocab), prompt_offsets)
+    bad_output = any_per_row((out_values < 0) | (out_values >= vocab), out_offsets)
+    last = np.full(n, -1, dtype=np.int64)
+    nonempty = o_len > 0
+    last[nonempty] = out_values[out_offsets[1:][nonempty] - 1]
+    stop_ok = np.isin(last, rules.stop_array)
+    if rules.require_think_end and rules.think_end_id is not None:
+        no_think = first_position(out_values, out_offsets, rules.think_end_id) < 0
+    else:
+        no_think = np.zeros(n, dtype=bool)
+    checks = [
+        np.zeros(n, bool) if duplicate is None else np.asarray(duplicate, bool),
+        ~np.asarray(key_ok, bool),
+        finish == None,  # noqa: E711 - elementwise comparison on an object array
+        finish == "abort",
+        ~nonempty,
+        (finish == "length") & rules.reject_truncated,
+        bad_prompt | bad_output,
+        (finish == "stop") & ~stop_ok,
+        no_think,
+        (p_len + o_len) > rules.max_sequence_tokens,
+    ]
+    reason = np.full(n, OK, dtype=np.int64)
+    # Last check first, so that earlier (more fundamental) reasons overwrite later ones.
+    for idx in range(len(checks) - 1, -1, -1):
+        reason[np.asarray(checks[idx], bool)] = idx
+    return reason
+
+
+def describe(reason: str, **ctx) -> str:
+    """A human-readable detail line for a rejected row."""
+    texts = {
+        "duplicate_prompt_id": "prompt_id appears {count} times in the generated shard",
+        "sample_key_mismatch": "generated sample_key {got} != expected {expected}",
+        "missing_finish": "finish_type is null",
+        "aborted": "the engine aborted the request",
+        "empty_output": "no output tokens",
+        "truncated": "finish_type length: cut at max_new_tokens ({output} output tokens)",
+        "token_out_of_range": "a token id is outside [0, {vocab})",
+        "missing_stop_token": "finish stop, but last token {last} is not a stop token {stops}",
+        "no_think_end": "think-end token {think} never appears in the output",
+        "too_long": "{total} tokens > max_sequence_tokens {limit}",
+        "not_generated": "tokenized prompt has no generated row and no generate rejection",
+        "unknown_prompt_id": "generated row for a prompt_id not in the tokenized shard",
+    }
+    try:
+        return texts[reason].format(**ctx)
+    except (KeyError, IndexError):
+        return reason

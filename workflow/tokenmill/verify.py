@@ -1,0 +1,65 @@
+"""`tokenmill verify PROVENANCE [DIR]`: check a copy of a run's outputs against its provenance.
+
+DIR defaults to the folder holding PROVENANCE when the manifest's files are there (it lives
+in the results folder), else to the results_dir it records. Every listed file must exist with
+the listed size and sha256; extra files are warnings. Exit 0 when everything matches, else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tokenmill.provenance import output_paths, sha256_file
+
+
+def verify(manifest: dict, directory) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for `directory` against the manifest's outputs."""
+    d = Path(directory)
+    errors, warnings = [], []
+    listed = {e["path"]: e for e in manifest.get("outputs", [])}
+    for path, e in sorted(listed.items()):
+        p = d / path
+        if not p.is_file():
+            errors.append(f"missing: {path}")
+        elif p.stat().st_size != e["size"]:
+            errors.append(f"size differs: {path} (expected {e['size']}, found {p.stat().st_size})")
+        elif sha256_file(p) != e["sha256"]:
+            errors.append(f"sha256 differs: {path} (expected {e['sha256']})")
+    config = manifest.get("config", {}).get("resolved", {})
+    for rel in output_paths(d, config, d / "provenance.json") if d.is_dir() else []:
+        if rel not in listed:
+            warnings.append(f"unexpected extra file: {rel}")
+    return errors, warnings
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tokenmill verify")
+    parser.add_argument("provenance")
+    parser.add_argument("dir", nargs="?")
+    args = parser.parse_args(argv)
+    prov = Path(args.provenance)
+    manifest = json.loads(prov.read_text())
+    directory = args.dir
+    if directory is None:
+        first = next(iter(manifest.get("outputs", [])), None)
+        here = prov.parent
+        directory = here if first is None or (here / first["path"]).exists() else None
+        directory = directory or Path(manifest.get("results_dir", here))
+    errors, warnings = verify(manifest, directory)
+    for w in warnings:
+        print(f"warning: {w}")
+    for e in errors:
+        print(e)
+    n = len(manifest.get("outputs", []))
+    if errors:
+        print(f"FAILED: {len(errors)} of {n} files differ from {prov} in {directory}")
+        return 1
+    print(f"OK: {n} files in {directory} match {prov}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
