@@ -23,6 +23,7 @@ localrules:
     summarize_stats,
     write_dataset_card,
     write_provenance,
+    compare_with_manifest,
 
 
 rule all:

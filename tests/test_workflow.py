@@ -164,3 +164,48 @@ def test_changing_the_chat_template_kwargs_retokenizes_everything(finished_run, 
     assert tokenize == {f"category={c}" for c in config["categories"]}, tokenize
     prepare = {wc for rule, wc in jobs_in(dry.stdout + dry.stderr) if rule == "prepare_prompts"}
     assert not prepare, prepare
+
+
+def tokenmill(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "tokenmill"), *args], cwd=workdir, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_verify_passes_and_names_a_tampered_file(finished_run, tmp_path):
+    ok = tokenmill(finished_run, "verify", "results/provenance.json", "results")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+    copy = tmp_path / "published"
+    shutil.copytree(finished_run / "results", copy)
+    victim = copy / "dataset/chat/000.parquet"
+    victim.write_bytes(victim.read_bytes()[:-1] + b"\0")
+    bad = tokenmill(finished_run, "verify", "results/provenance.json", str(copy))
+    assert bad.returncode == 1
+    assert "dataset/chat/000.parquet" in bad.stdout + bad.stderr
+
+
+def test_reproduce_from_provenance_matches_byte_for_byte(finished_run):
+    made = tokenmill(
+        finished_run,
+        "reproduce-config",
+        "results/provenance.json",
+        "--out",
+        "repro.yaml",
+        "--results-dir",
+        "repro",
+    )
+    assert made.returncode == 0, made.stderr
+    run = snakemake(finished_run, "--configfile", "repro.yaml")
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
+    report = json.loads((finished_run / "repro/reproduce/report.json").read_text())
+    stages = report["byte_identical_stages"]
+    assert report["ok"] and stages["identical"] and not stages["different"], stages
+    samples = report["generated_samples"]
+    assert samples["total"] > 0 and samples["identical"] == samples["total"], samples
+
+    # A checkout whose inputs differ from the manifest refuses to start, saying why.
+    _edit_one_code_prompt(finished_run)
+    refused = snakemake(finished_run, "-n", "--configfile", "repro.yaml")
+    assert refused.returncode != 0
+    assert "cannot reproduce" in refused.stderr and "code_sample.jsonl" in refused.stderr

@@ -18,6 +18,15 @@ RESULTS = config["results_dir"]
 CATEGORIES = sorted(config["categories"])
 TOKENIZER_FINGERPRINT = support.tokenizer_params_fingerprint(config["tokenizer"], ".")
 GENERATION_FINGERPRINT = support.generation_fingerprint(config["generation"])
+if config["reproduce"]:
+    from tokenmill.reproduce import load_manifest, reproduce_problems
+
+    # Refuse to start a reproduction that cannot match: say what differs.
+    _problems = reproduce_problems(load_manifest(config["reproduce"]), config, ".")
+    if _problems:
+        raise WorkflowError(
+            f"cannot reproduce {config['reproduce']}:\n  " + "\n  ".join(_problems)
+        )
 # Histograms written by `tokenmill stats` (stats/length_{metric}_tokens.png).
 LENGTH_METRICS = ["prompt", "output", "reasoning", "answer", "total"]
 
@@ -89,6 +98,8 @@ def final_outputs():
         res("dataset/README.md"),
         res("provenance.json"),
     ]
+    if config["reproduce"]:
+        outputs.append(res("reproduce/report.json"))
     return outputs
 
 
@@ -102,7 +113,11 @@ def config_json(wildcards=None):
 
 
 def final_outputs_except_provenance(wildcards=None):
-    return [p for p in final_outputs() if p != res("provenance.json")]
+    return [
+        p
+        for p in final_outputs()
+        if p not in (res("provenance.json"), res("reproduce/report.json"))
+    ]
 
 
 def results_dir(wildcards=None):

@@ -105,3 +105,20 @@ rule write_provenance:
     shell:
         "tokenmill provenance --results-dir {params.results:q} --config-json {params.config:q}"
         " --configfiles {params.configfiles:q} --out {output.provenance:q} > {log:q} 2>&1"
+
+
+rule compare_with_manifest:
+    input:
+        provenance=res("provenance.json"),
+    output:
+        report=res("reproduce/report.json"),
+    log:
+        res("logs/reproduce.log"),
+    conda:
+        "../../envs/tokenmill.yaml"
+    params:
+        manifest=config["reproduce"] or "",
+        results=results_dir,
+    shell:
+        "tokenmill provenance --compare {params.manifest:q} --results-dir {params.results:q}"
+        " --report-only --out {output.report:q} > {log:q} 2>&1"

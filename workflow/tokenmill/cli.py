@@ -21,6 +21,7 @@ COMMANDS = {
     "card": ("tokenmill.card", "write the dataset card (README.md) of results/dataset"),
     "provenance": ("tokenmill.provenance", "write provenance.json for a finished run"),
     "verify": ("tokenmill.verify", "check a directory against a provenance file"),
+    "reproduce-config": ("tokenmill.reproduce", "config that reproduces a published run"),
     "make-tiny-model": ("tokenmill.tiny", "build the tiny offline tokenizer and model"),
 }
 

@@ -26,8 +26,8 @@ Schema "tokenmill.provenance/1" (keys sorted on disk):
     software          python, platform, packages {name: version or null}
     workflow          git_commit, dirty (null when basedir is not a git checkout)
     outputs           [{path (relative to results), size, sha256, rows (parquet only)}],
-                      every file under results except the journal, provenance.json and
-                      temporary files
+                      every file under results except the journal, provenance.json,
+                      run logs (logs/, benchmarks/), report.html and hidden files
     generated_samples {path: {prompt_id: sha256(output_ids as little-endian int32)[:16]}}
                       so a rerun can be compared sample by sample
 
@@ -202,9 +202,16 @@ def _software() -> dict:
     return {"python": sys.version.split()[0], "platform": platform.platform(), "packages": pkgs}
 
 
+# Run logs and Snakemake benchmark tables change with every run (and the provenance job's own
+# log is still being written): they are not data and are not listed.
+NOT_LISTED_DIRS = ("logs/", "benchmarks/")
+
+
 def _excluded(rel: str, journal_rel: str | None, out_rel: str | None) -> bool:
     name = rel.rsplit("/", 1)[-1]
-    if rel == out_rel or rel == "provenance.json" or (name.startswith(".") and ".tmp" in name):
+    if rel == out_rel or rel == "provenance.json" or name.startswith("."):
+        return True
+    if rel.startswith(NOT_LISTED_DIRS) or rel == "report.html":
         return True
     return bool(journal_rel) and (rel == journal_rel or rel.startswith(journal_rel + "/"))
 
@@ -454,6 +461,11 @@ def main(argv: list[str]) -> int:
         metavar="MANIFEST",
         help="compare --results-dir with MANIFEST; write the report to --out",
     )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="with --compare: exit 0 even when outputs differ (the report says how)",
+    )
     args = parser.parse_args(argv)
     from tokenmill.merge import json_arg
 
@@ -471,7 +483,7 @@ def main(argv: list[str]) -> int:
             f"{s['identical']}/{s['total']}",
             file=sys.stderr,
         )
-        return 0 if report["ok"] else 1
+        return 0 if report["ok"] or args.report_only else 1
     if not args.config_json:
         parser.error("--config-json is required")
     config = json_arg(args.config_json)
