@@ -36,7 +36,14 @@ KIMI_SPECIAL = [
 ]
 QWEN_SPECIAL = ["<|im_start|>", "<|endoftext|>"]
 # Added (not "special") so that decoding keeps them, as real thinking models do.
-THINK_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+THINK_TOKENS = [
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
 
 _CORPUS = """
 The quick brown fox jumps over the lazy dog. A user asks a question and the assistant answers.
@@ -122,7 +129,11 @@ def _training_sequences(tokenizer) -> list[list[int]]:
                 {"role": "user", "content": question}
             ]
             prompt = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False, thinking=True
+                messages,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+                thinking=True,
             )
             answer_ids = tokenizer.encode(f"{reasoning}</think>{answer}<|im_end|>")
             seqs.append(list(prompt) + answer_ids)
