@@ -65,6 +65,11 @@ CASES = {
         "tokenizer.path",
         "neither an existing directory",
     ),
+    "unknown sampling key": (
+        lambda c: c["generation"]["sampling"].update(seed=1),
+        "generation.sampling",
+        "no 'seed' key",
+    ),
     "hook without function": (
         lambda c: c["categories"]["chat"].update(format="hook", hook="sample.hooks:nope"),
         "categories.chat.hook",

@@ -115,6 +115,13 @@ def check_semantics(config: dict, basedir: str | Path = ".") -> None:
             problems.append("config key 'generation.launch.command': required in managed mode")
         if gen.get("mode") == "external" and not gen.get("external", {}).get("urls"):
             problems.append("config key 'generation.external.urls': required in external mode")
+        from tokenmill import sglang
+
+        command = gen.get("launch", {}).get("command", []) if gen.get("mode") == "managed" else []
+        try:
+            sglang.validate_sampling(gen.get("sampling", {}), sglang.skip_tokenizer_init(command))
+        except ValueError as exc:
+            problems.append(f"config key 'generation.sampling': {exc}")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 

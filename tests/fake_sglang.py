@@ -1,0 +1,283 @@
+"""A fake SGLang server (no model) speaking the native API's shapes, with fault injection.
+
+Raw asyncio HTTP/1.1 with keep-alive (fast enough to benchmark a client against). output_ids
+are a deterministic function of input_ids and end with the first stop_token_id (finish "stop"),
+or run to max_new_tokens (finish "length") when no stop token is given.
+
+Every /generate received is counted: GET /stats, and one line per request appended to
+--counter-file (survives the server's death, so restart tests can count across processes).
+
+Launchable as a managed-mode command:
+    {python} tests/fake_sglang.py --model-path {model} --host {host} --port {port} [faults]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+
+SAMPLING_KEYS = {
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+    "presence_penalty", "repetition_penalty", "min_new_tokens", "stop", "stop_regex",
+    "stop_token_ids", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+    "no_stop_trim", "n", "json_schema", "regex", "ebnf", "structural_tag", "logit_bias",
+    "sampling_seed", "stream_interval", "custom_params", "beam_width", "watermark",
+}  # fmt: skip
+
+REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+           500: "Internal Server Error", 503: "Service Unavailable"}  # fmt: skip
+
+
+def fake_output(input_ids: list[int], max_new: int, stop_ids: list[int]) -> tuple[list[int], dict]:
+    seed = sum(input_ids) * 31 + len(input_ids)
+    n = len(input_ids) % 5 + 1
+    body = [10 + (seed + 7 * i) % 1000 for i in range(n)]
+    if stop_ids and n < max_new:
+        return body + [stop_ids[0]], {"type": "stop", "matched": stop_ids[0]}
+    body = body[:max_new]
+    return body, {"type": "length", "length": max_new}
+
+
+class Fake:
+    def __init__(self, args):
+        self.a = args
+        self.count = 0
+        self.started = time.monotonic()
+        self.counter = open(args.counter_file, "a") if args.counter_file else None  # noqa: SIM115
+
+    def ready(self) -> bool:
+        return time.monotonic() - self.started >= self.a.startup_delay
+
+    def model_info(self) -> dict:
+        return {
+            "model_path": self.a.model_path,
+            "served_model_name": self.a.served_model_name or self.a.model_path,
+            "tokenizer_path": self.a.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+        }
+
+    def server_info(self) -> dict:
+        return {
+            "model_path": self.a.model_path,
+            "tp_size": 1,
+            "port": self.a.port,
+            "api_key": self.a.api_key,
+            "hf_token": "hf_should_not_leak",
+            "max_total_num_tokens": 4096,
+            "launch_command": " ".join(sys.argv),
+            "version": "0.5.23-fake",
+            "internal_states": [{"last_gen_throughput": 0.0}],
+        }
+
+    async def generate(self, body: bytes):
+        """-> (status, payload) or 'reset' / 'hang' / 'die'."""
+        self.count += 1
+        n = self.count
+        a = self.a
+        try:
+            req = json.loads(body)
+        except ValueError:
+            return 400, {"object": "error", "message": "bad json", "type": "Bad Request",
+                         "param": None, "code": 400}  # fmt: skip
+        ids = req.get("input_ids") or []
+        if self.counter:
+            self.counter.write(
+                json.dumps(
+                    {"n": n, "rid": req.get("rid"), "ids": ids, "sp": req.get("sampling_params")}
+                )
+                + "\n"
+            )
+            self.counter.flush()
+        if a.die_after and n > a.die_after and not (a.die_marker and os.path.exists(a.die_marker)):
+            if a.die_marker:
+                open(a.die_marker, "w").close()
+            return "die"
+        if n <= a.exit_first:
+            return "die"
+        if n <= a.reset_first:
+            return "reset"
+        if n <= a.hang_first:
+            return "hang"
+        if n <= a.fail_503:
+            return 503, {"object": "error", "message": "The request queue is full.",
+                         "type": "503", "param": None, "code": 503}  # fmt: skip
+        if n <= a.fail_500:
+            return 500, "Internal Server Error"
+        sp = req.get("sampling_params") or {}
+        unknown = [k for k in sp if k not in SAMPLING_KEYS]
+        if unknown:
+            return 400, {"error": f"unknown field `{unknown[0]}`, expected one of ..."}
+        if not ids:
+            return 400, {"error": {"message": "input_ids cannot be empty."}}
+        if ids[0] in a.reject_first_token:
+            shape = ids[0] % 3
+            msg = f"Input length ({len(ids)} tokens) exceeds the maximum allowed length"
+            if shape == 0:
+                return 400, {"error": {"message": msg}}
+            if shape == 1:
+                return 400, {"error": msg}
+            return 400, {"object": "error", "message": msg, "type": "Bad Request",
+                         "param": None, "code": 400}  # fmt: skip
+        if a.latency:
+            await asyncio.sleep(a.latency)
+        max_new = sp.get("max_new_tokens", 128)
+        out, finish = fake_output(ids, max_new, sp.get("stop_token_ids") or [])
+        if n <= a.abort_first:
+            out, finish = out[:1], {"type": "abort", "message": "Aborted", "status_code": None,
+                                    "err_type": None}  # fmt: skip
+        meta = {
+            "id": req.get("rid"),
+            "finish_reason": finish,
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(out),
+            "cached_tokens": 0,
+            "weight_version": "default",
+            "e2e_latency": a.latency,
+        }
+        if "sampling_seed" in sp:
+            meta["sampling_seed_seen"] = sp["sampling_seed"]
+        return 200, {"output_ids": out, "meta_info": meta}
+
+    async def route(self, method: str, path: str, headers: dict, body: bytes):
+        path = path.split("?", 1)[0]
+        if path in ("/health", "/health_generate", "/ready"):
+            return (200, "") if self.ready() else (503, "")
+        if path == "/stats":
+            return 200, {"generate_requests": self.count}
+        if self.a.api_key and headers.get("authorization") != f"Bearer {self.a.api_key}":
+            return 401, {"error": "Unauthorized"}
+        if path in ("/model_info", "/get_model_info"):
+            return (200, self.model_info()) if self.ready() else (503, "")
+        if path in ("/server_info", "/get_server_info"):
+            return 200, self.server_info()
+        if path == "/generate" and method in ("POST", "PUT"):
+            return await self.generate(body)
+        return 404, {"detail": "Not Found"}
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                headers = {}
+                for ln in lines[1:]:
+                    if ":" in ln:
+                        k, v = ln.split(":", 1)
+                        headers[k.strip().lower()] = v.strip()
+                body = await reader.readexactly(int(headers.get("content-length", 0)))
+                res = await self.route(method, path, headers, body)
+                if res == "die":
+                    os._exit(3)
+                if res == "reset":
+                    writer.transport.abort()
+                    return
+                if res == "hang":
+                    await asyncio.sleep(3600)
+                    return
+                status, payload = res
+                data = (
+                    payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
+                )
+                ctype = "text/plain" if isinstance(payload, str) else "application/json"
+                writer.write(
+                    f"HTTP/1.1 {status} {REASONS.get(status, 'X')}\r\nContent-Type: {ctype}\r\n"
+                    f"Content-Length: {len(data)}\r\nConnection: keep-alive\r\n\r\n".encode()
+                    + data
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            writer.close()
+
+
+# ---------------------------------------------------------------------------- test helpers
+FAKE = os.path.abspath(__file__)
+
+
+def start(port: int, *flags: str, model: str = "fake/model", env=None):
+    """Start a fake server process on 127.0.0.1:port and wait until it answers /health."""
+    import subprocess
+    import urllib.request
+
+    cmd = [sys.executable, FAKE, "--model-path", model, "--port", str(port), *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("fake server did not start")
+
+
+def count_requests(counter_file) -> int:
+    try:
+        with open(counter_file) as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+def requested_ids(counter_file) -> list[list[int]]:
+    with open(counter_file) as f:
+        return [json.loads(line)["ids"] for line in f]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--served-model-name")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key")
+    p.add_argument("--counter-file")
+    p.add_argument("--latency", type=float, default=0.0, help="seconds each /generate takes")
+    p.add_argument("--startup-delay", type=float, default=0.0, help="/health 503 this long")
+    p.add_argument("--exit-at-start", type=int, default=None, help="exit with this code at once")
+    p.add_argument("--fail-503", type=int, default=0, help="first N /generate get 503")
+    p.add_argument("--fail-500", type=int, default=0, help="first N /generate get 500")
+    p.add_argument("--reset-first", type=int, default=0, help="first N: connection reset")
+    p.add_argument("--hang-first", type=int, default=0, help="first N never answer")
+    p.add_argument("--abort-first", type=int, default=0, help="first N: finish_reason abort")
+    p.add_argument("--exit-first", type=int, default=0, help="die on each of the first N")
+    p.add_argument("--die-after", type=int, default=0, help="die on request N+1")
+    p.add_argument("--die-marker", help="die only once: skip dying if this file exists")
+    p.add_argument("--reject-first-token", type=int, action="append", default=[],
+                   help="400 for prompts whose first token is this")  # fmt: skip
+    p.add_argument("--skip-tokenizer-init", action="store_true")
+    args, _ = p.parse_known_args(argv)  # tolerate real SGLang flags in launch commands
+    return args
+
+
+async def amain(args):
+    fake = Fake(args)
+    server = await asyncio.start_server(fake.handle, args.host, args.port, backlog=1024)
+    print(f"fake sglang listening on {args.host}:{args.port} pid={os.getpid()}", flush=True)
+    print("The server is fired up and ready to roll!", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.exit_at_start is not None:
+        print("fake sglang: failing at start (as asked)", flush=True)
+        sys.exit(args.exit_at_start)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(amain(args))
+
+
+if __name__ == "__main__":
+    main()

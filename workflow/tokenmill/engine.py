@@ -1,0 +1,408 @@
+"""The engine as a process we start and stop (managed mode), or URLs we are given (external).
+
+Managed: argv from generation.launch.command with placeholders substituted (an argument list,
+never a shell string), a free port, its own process group, stdout/stderr appended to
+{log_dir}/engine.log; ready when GET /health is 200 AND /model_info answers; the served model is
+checked against generation.model. Stop = SIGTERM to the group, wait, SIGKILL.
+
+Multi-node (launch.nnodes > 1, inside a SLURM allocation): the command runs through
+`srun --nodes=N --ntasks=N --ntasks-per-node=1 --kill-on-bad-exit=1 python -m tokenmill.engine
+task --argv-json ...`; each task substitutes {node_rank} and {dist_init_addr} from its SLURM
+environment and execs the engine. Requests go to node rank 0 (the first host of the nodelist).
+The launcher prefix is injectable (TOKENMILL_LAUNCHER_PREFIX, a JSON list) for local tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+SECRET_KEY_PARTS = ("api_key", "apikey", "secret", "password", "passwd", "credential")
+SECRET_FLAGS = ("--api-key", "--admin-api-key")
+REDACTED = "<redacted>"
+DIST_PORT_OFFSET = 1000  # dist_init_addr port = HTTP port + this (both picked per launch)
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------------------- redaction
+
+
+def _secret_key(key: str) -> bool:
+    k = key.lower()
+    if any(part in k for part in SECRET_KEY_PARTS):
+        return True
+    # "token" as a word (hf_token, access_token) -- not max_total_num_tokens or tokenizer_path.
+    return "token" in re.split(r"[_\-.]", k)
+
+
+def redact(obj, secrets: list[str] | tuple = ()):
+    """Copy of obj with secret-looking keys and any occurrence of a secret value redacted."""
+    secrets = [s for s in secrets if s]
+    if isinstance(obj, dict):
+        return {
+            k: (REDACTED if _secret_key(str(k)) and v not in (None, "") else redact(v, secrets))
+            for k, v in obj.items()
+        }
+    if isinstance(obj, list | tuple):
+        return [redact(v, secrets) for v in obj]
+    if isinstance(obj, str):
+        for s in secrets:
+            obj = obj.replace(s, REDACTED)
+        return obj
+    return obj
+
+
+def redact_argv(argv: list[str], secrets: list[str] | tuple = ()) -> list[str]:
+    out, hide_next = [], False
+    for arg in argv:
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        if flag in SECRET_FLAGS:
+            out.append(f"{flag}={REDACTED}" if eq else arg)
+            hide_next = not eq
+            continue
+        out.append(redact(arg, secrets))
+    return out
+
+
+# ---------------------------------------------------------------------------- launching
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host if host not in ("0.0.0.0", "") else "", 0))
+        return s.getsockname()[1]
+
+
+def substitute(template: list[str], values: dict) -> list[str]:
+    """Replace {name} placeholders we know; unknown braces are left alone (e.g. JSON args)."""
+    out = []
+    for arg in template:
+        for name, val in values.items():
+            arg = arg.replace("{" + name + "}", str(val))
+        out.append(arg)
+    return out
+
+
+def _set_pdeathsig():  # runs in the child before exec
+    # If the generate process is SIGKILLed, the kernel sends SIGTERM to the engine: no orphans.
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Hostnames of a SLURM nodelist: `scontrol show hostnames`, else a small parser."""
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            ).stdout.split()
+            if out:
+                return out
+        except (subprocess.SubprocessError, OSError):
+            pass
+    hosts = []
+    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist):
+        prefix, ranges = m.group(1), m.group(2)
+        if not ranges:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{str(i).zfill(len(lo))}")
+    return hosts
+
+
+def launcher_prefix(nnodes: int) -> list[str]:
+    env = os.environ.get("TOKENMILL_LAUNCHER_PREFIX")
+    if env:
+        return json.loads(env)
+    return [
+        "srun",
+        f"--nodes={nnodes}",
+        f"--ntasks={nnodes}",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+    ]
+
+
+def task_argv(argv_template: list[str], env: dict, dist_port: int) -> list[str]:
+    """Per-node argv: {node_rank} from SLURM_PROCID (or SLURM_NODEID), {dist_init_addr} from
+    the first host of SLURM_JOB_NODELIST."""
+    rank = env.get("SLURM_PROCID", env.get("SLURM_NODEID", "0"))
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+    head = expand_nodelist(nodelist)[0]
+    return substitute(argv_template, {"node_rank": rank, "dist_init_addr": f"{head}:{dist_port}"})
+
+
+def task_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m tokenmill.engine task")
+    p.add_argument("--argv-json", required=True)
+    p.add_argument("--dist-port", type=int, required=True)
+    a = p.parse_args(argv)
+    final = task_argv(json.loads(a.argv_json), dict(os.environ), a.dist_port)
+    sys.stdout.flush()
+    os.execvp(final[0], final)
+    return 127  # not reached
+
+
+# ---------------------------------------------------------------------------- HTTP helpers
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str, headers: dict):
+    async with session.get(url, headers=headers) as r:
+        if r.status != 200:
+            return r.status, None
+        try:
+            return 200, await r.json(content_type=None)
+        except (ValueError, aiohttp.ContentTypeError):
+            return 200, None
+
+
+async def fetch_info(url: str, headers: dict, timeout: float = 30.0) -> tuple[dict, dict]:
+    """(/server_info, /model_info) with fallbacks to the deprecated /get_* aliases."""
+    t = aiohttp.ClientTimeout(total=timeout)
+    async with aiohttp.ClientSession(timeout=t) as s:
+        out = []
+        for paths in (("/server_info", "/get_server_info"), ("/model_info", "/get_model_info")):
+            info = {}
+            for path in paths:
+                try:
+                    status, body = await _get_json(s, url + path, headers)
+                except (TimeoutError, aiohttp.ClientError, OSError):
+                    continue
+                if status == 200 and isinstance(body, dict):
+                    info = body
+                    break
+            out.append(info)
+    return out[0], out[1]
+
+
+def model_matches(model_info: dict, model: str, basedir: str | Path = ".") -> bool:
+    served = [model_info.get("model_path"), model_info.get("served_model_name")]
+    served = [s for s in served if s]
+    if model in served:
+        return True
+    local = Path(basedir) / model
+    if local.exists():
+        want = os.path.realpath(local)
+        return any(os.path.realpath(Path(basedir) / s) == want for s in served)
+    return False
+
+
+# ---------------------------------------------------------------------------- managed engine
+
+
+class ManagedEngine:
+    def __init__(self, gen: dict, log_dir, basedir=".", api_key: str | None = None):
+        self.gen = gen
+        self.launch = gen.get("launch") or {}
+        self.log_path = Path(log_dir) / "engine.log"
+        self.basedir = Path(basedir)
+        self.api_key = api_key
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+        self.argv: list[str] = []
+        self.starts = 0
+        self.server_info: dict = {}
+        self.model_info: dict = {}
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _model_arg(self) -> str:
+        model = self.gen["model"]
+        local = self.basedir / model
+        return str(local.resolve()) if local.exists() else model
+
+    def build_argv(self, port: int) -> list[str]:
+        host = self.launch.get("host", "127.0.0.1")
+        nnodes = int(self.launch.get("nnodes", 1))
+        values = {
+            "python": sys.executable,
+            "model": self._model_arg(),
+            "revision": self.gen.get("revision") or "",
+            "host": host,
+            "port": port,
+            "nnodes": nnodes,
+        }
+        argv = substitute(list(self.launch["command"]), values)
+        if nnodes > 1:
+            wrapper = [sys.executable, "-m", "tokenmill.engine", "task"]
+            dist = ["--dist-port", str(port + DIST_PORT_OFFSET)]
+            return launcher_prefix(nnodes) + wrapper + ["--argv-json", json.dumps(argv)] + dist
+        return substitute(argv, {"node_rank": 0, "dist_init_addr": f"127.0.0.1:{port + 1}"})
+
+    def _request_host(self) -> str:
+        host = self.launch.get("host", "127.0.0.1")
+        if int(self.launch.get("nnodes", 1)) > 1:
+            nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+            if nodelist:
+                return expand_nodelist(nodelist)[0]
+        return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no engine log)"
+        return "\n".join(redact(lines[-n:], [self.api_key or ""]))
+
+    async def start(self) -> None:
+        port = free_port(self.launch.get("host", "127.0.0.1"))
+        self.argv = self.build_argv(port)
+        self.url = f"http://{self._request_host()}:{port}"
+        self.starts += 1
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.update({k: str(v) for k, v in (self.launch.get("env") or {}).items()})
+        with open(self.log_path, "ab") as logf:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+            shown = " ".join(redact_argv(self.argv, [self.api_key or ""]))
+            logf.write(
+                f"\n===== tokenmill: engine start #{self.starts} at {stamp}: {shown}\n".encode()
+            )
+            logf.flush()
+            try:
+                self.proc = subprocess.Popen(
+                    self.argv,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    env=env,
+                    cwd=str(self.basedir),
+                    preexec_fn=_set_pdeathsig,
+                )
+            except OSError as exc:
+                raise EngineError(f"cannot start engine {self.argv[0]!r}: {exc}") from exc
+        await self.wait_ready()
+
+    async def wait_ready(self) -> None:
+        timeout = float(self.launch.get("startup_timeout_s", 900))
+        deadline = time.monotonic() + timeout
+        t = aiohttp.ClientTimeout(total=30)
+        async with aiohttp.ClientSession(timeout=t) as s:
+            while True:
+                if not self.alive():
+                    code = self.proc.returncode if self.proc else None
+                    raise EngineError(
+                        f"engine exited with code {code} during startup; last lines of "
+                        f"{self.log_path}:\n{self.log_tail()}"
+                    )
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise EngineError(
+                        f"engine not ready after {timeout:.0f}s (launch.startup_timeout_s); "
+                        f"last lines of {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    st, _ = await _get_json(s, self.url + "/health", self.headers)
+                    if st == 200:
+                        st2, mi = await _get_json(s, self.url + "/model_info", self.headers)
+                        if st2 != 200:
+                            st2, mi = await _get_json(s, self.url + "/get_model_info", self.headers)
+                        if st2 == 200 and isinstance(mi, dict):
+                            break
+                except (TimeoutError, aiohttp.ClientError, OSError):
+                    pass
+                # Poll fast at first (test servers start in a second), then gently.
+                waited = time.monotonic() - (deadline - timeout)
+                await asyncio.sleep(0.1 if waited < 10 else 1.0)
+        self.server_info, self.model_info = await fetch_info(self.url, self.headers)
+        if not model_matches(self.model_info, self.gen["model"], self.basedir):
+            served = self.model_info.get("model_path"), self.model_info.get("served_model_name")
+            self.stop()
+            raise EngineError(
+                f"engine serves {served}, but generation.model is {self.gen['model']!r}"
+            )
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=grace_s)
+        # Children of the engine (schedulers, detokenizer) share its group: take them all down.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        with open(self.log_path, "ab") as logf:
+            logf.write(f"===== tokenmill: engine stopped (code {proc.returncode})\n".encode())
+
+    def redacted_argv(self) -> list[str]:
+        return redact_argv(self.argv, [self.api_key or ""])
+
+
+class ExternalEngines:
+    """Servers (or an sglang-router) started by someone else: nothing to launch or stop."""
+
+    def __init__(self, gen: dict, api_key: str | None = None):
+        self.urls = [u.rstrip("/") for u in (gen.get("external") or {}).get("urls", [])]
+        self.api_key = api_key
+        self.server_info: dict = {}
+        self.model_info: dict = {}
+        self.gen = gen
+
+    async def start(self) -> None:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        infos = [await fetch_info(u, headers) for u in self.urls]
+        self.server_info = {u: si for u, (si, _) in zip(self.urls, infos, strict=True)}
+        self.model_info = {u: mi for u, (_, mi) in zip(self.urls, infos, strict=True)}
+        for u, mi in self.model_info.items():
+            if mi and not model_matches(mi, self.gen["model"]):
+                raise EngineError(
+                    f"{u} serves {mi.get('model_path')!r}, but generation.model is "
+                    f"{self.gen['model']!r}"
+                )
+
+    def alive(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "task":
+        return task_main(argv[1:])
+    print("usage: python -m tokenmill.engine task --argv-json JSON --dist-port N", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
