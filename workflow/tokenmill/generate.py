@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tokenmill import contracts, journal, keys, sglang
+from tokenmill import contracts, engines, journal, keys
 from tokenmill.client import Client, ClientOptions, EngineDied, GenerationFailed, Item, Stats
 from tokenmill.engine import EngineError, ExternalEngines, ManagedEngine, redact
 
@@ -52,8 +52,12 @@ def parse_args(argv):
 
 
 def _load_section(path: str, name: str) -> dict:
-    with open(path) as f:
-        obj = json.load(f)
+    # Inline JSON (what the Snakemake rule passes) or a JSON file.
+    if path.lstrip().startswith("{"):
+        obj = json.loads(path)
+    else:
+        with open(path) as f:
+            obj = json.load(f)
     # Accept the whole config as well as the section itself.
     return obj[name] if isinstance(obj.get(name), dict) else obj
 
@@ -150,9 +154,9 @@ async def run(args, gen: dict, tok_cfg: dict, meta: dict) -> int:
     fingerprint = keys.generation_fingerprint(gen)
     launch = gen.get("launch") or {}
     managed = gen.get("mode", "managed") == "managed"
-    sglang.validate_sampling(
-        gen.get("sampling") or {}, managed and sglang.skip_tokenizer_init(launch.get("command"))
-    )
+    api = engines.for_config(gen)  # the engine-specific part: requests, answers, identity
+    # The engine's sampling keys are checked before the first request is paid for.
+    engines.validate(gen)
     api_key = _api_key(gen)
     secrets = [api_key] if api_key else []
     shard = Shard(args.tokenized, fingerprint, gen.get("seed_policy", "none"))
@@ -188,6 +192,7 @@ async def run(args, gen: dict, tok_cfg: dict, meta: dict) -> int:
         category=args.category,
         shard=args.shard,
         mode="managed" if managed else "external",
+        engine=api.name,
         engine_started=False,
         counts=counts,
         journal={
@@ -201,9 +206,9 @@ async def run(args, gen: dict, tok_cfg: dict, meta: dict) -> int:
         stop_ids = resolve_stop_ids(gen, tok_cfg, args.basedir)
         opts = ClientOptions.from_config(gen, stop_ids, api_key)
         engine = (
-            ManagedEngine(gen, args.log_dir, args.basedir, api_key)
+            ManagedEngine(gen, args.log_dir, args.basedir, api_key, api=api)
             if managed
-            else ExternalEngines(gen, api_key)
+            else ExternalEngines(gen, api_key, api=api)
         )
         writer = journal.JournalWriter(args.journal_dir, args.category, args.shard)
         meta["journal"]["file"] = str(writer.path)
@@ -219,14 +224,15 @@ async def run(args, gen: dict, tok_cfg: dict, meta: dict) -> int:
             await engine.start()
             _record_engine(meta, engine, secrets)
             if not managed:
-                sti = any(si.get("skip_tokenizer_init") for si in engine.server_info.values())
-                sglang.validate_sampling(gen.get("sampling") or {}, sti)
+                sti = any(api.server_skips_tokenizer(si) for si in engine.server_info.values())
+                api.validate_sampling(gen.get("sampling") or {}, sti)
             urls = [engine.url] if managed else engine.urls
             while True:
                 todo = [it for it in missing if it.key not in records]
                 if not todo:
                     break
-                client = Client(urls, opts, on_record, engine.alive if managed else None, stats)
+                alive = engine.alive if managed else None
+                client = Client(urls, opts, on_record, alive, stats, api=api)
                 try:
                     await client.run(todo)
                 except EngineDied as exc:
