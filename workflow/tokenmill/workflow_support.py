@@ -28,8 +28,10 @@ def local_source_files(category: dict, basedir) -> list[str]:
             root = Path(basedir)
             matches = sorted(glob.glob(str(root / pattern)))
             # Keep paths relative to the working directory when the pattern was relative.
-            files += [str(Path(m).relative_to(root)) if not Path(pattern).is_absolute() else m
-                      for m in matches]
+            files += [
+                str(Path(m).relative_to(root)) if not Path(pattern).is_absolute() else m
+                for m in matches
+            ]
     return files
 
 
