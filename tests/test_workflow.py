@@ -22,6 +22,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from tokenmill.shards import shard_of
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -115,9 +116,14 @@ def _edit_one_code_prompt(workdir: Path) -> None:
     path.write_text("".join(lines))
 
 
+def _prompt_ids(results: Path, category: str) -> set[str]:
+    return set(pq.read_table(results / f"prompts/{category}.parquet")["prompt_id"].to_pylist())
+
+
 def test_editing_one_prompt_reruns_one_shard(finished_run):
     results = finished_run / "results"
     before = digests(results, "*/*/*.parquet") | digests(results, "prompts/*.parquet")
+    ids_before = _prompt_ids(results, "code")
 
     _edit_one_code_prompt(finished_run)
     dry = snakemake(finished_run, "-n")
@@ -131,25 +137,40 @@ def test_editing_one_prompt_reruns_one_shard(finished_run):
 
     run = snakemake(finished_run)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
+
+    # The edit removed one prompt and added another: the shards that held them (one, or
+    # two when the new prompt hashes elsewhere) are the only ones that may change.
+    (old,) = ids_before - _prompt_ids(results, "code")
+    (new,) = _prompt_ids(results, "code") - ids_before
+    n_shards = yaml.safe_load((finished_run / "config.yaml").read_text())["categories"]["code"][
+        "shards"
+    ]
+    shards = {f"{shard_of(pid, n_shards):03d}" for pid in (old, new)}
+
     ran = jobs_in(run.stdout + run.stderr)
     per_shard = {(rule, wc) for rule, wc in ran if "shard=" in wc}
-    generate = {wc for rule, wc in per_shard if rule == "generate_shard"}
-    assert len(generate) == 1 and "category=code" in next(iter(generate)), ran
-    (shard_wc,) = generate
-    assert {wc for _, wc in per_shard} == {shard_wc}, per_shard
-    assert {rule for rule, _ in per_shard} == {"generate_shard", "merge_shard", "export_jsonl"}
+    expected = {
+        (rule, f"category=code, shard={shard}")
+        for rule in ("generate_shard", "merge_shard", "export_jsonl")
+        for shard in shards
+    }
+    assert per_shard == expected, per_shard
 
-    shard = re.search(r"shard=(\d+)", shard_wc).group(1)
-    meta = json.loads((results / f"generated/code/{shard}.meta.json").read_text())
-    assert meta["counts"]["requested"] == 1, meta["counts"]
+    # The engine received exactly one request: the edited prompt.
+    requested = sum(
+        json.loads((results / f"generated/code/{shard}.meta.json").read_text())["counts"][
+            "requested"
+        ]
+        for shard in shards
+    )
+    assert requested == 1
 
     after = digests(results, "*/*/*.parquet") | digests(results, "prompts/*.parquet")
     changed = {path for path in before if before[path] != after.get(path)}
-    assert changed == {
-        "prompts/code.parquet",
-        f"tokenized/code/{shard}.parquet",
-        f"generated/code/{shard}.parquet",
-        f"dataset/code/{shard}.parquet",
+    assert changed == {"prompts/code.parquet"} | {
+        f"{stage}/code/{shard}.parquet"
+        for stage in ("tokenized", "generated", "dataset")
+        for shard in shards
     }, changed
 
 

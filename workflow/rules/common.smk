@@ -76,6 +76,14 @@ def tokenized_shard(wildcards):
     return res(f"tokenized/{wildcards.category}/{wildcards.shard}.parquet")
 
 
+def dataset_shard(wildcards):
+    """A merged shard. Going through the checkpoint makes Snakemake re-evaluate this job once
+    tokenize has run, so an export whose shard did not change is dropped from the plan.
+    """
+    checkpoints.tokenize_prompts.get(category=wildcards.category)
+    return res(f"dataset/{wildcards.category}/{wildcards.shard}.parquet")
+
+
 def generate_runtime(wildcards, attempt):
     """Minutes: grows with each retry so a job killed at its time limit gets longer next time."""
     return config["generation"]["resources"]["runtime_min"] * attempt

@@ -27,7 +27,7 @@ rule merge_shard:
 
 rule export_jsonl:
     input:
-        dataset=res("dataset/{category}/{shard}.parquet"),
+        dataset=dataset_shard,
     output:
         jsonl=res("export/{category}/{shard}.jsonl"),
     log:
