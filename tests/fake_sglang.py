@@ -9,6 +9,10 @@ Every /generate received is counted: GET /stats, and one line per request append
 
 Launchable as a managed-mode command:
     {python} tests/fake_sglang.py --model-path {model} --host {host} --port {port} [faults]
+
+With --api vllm it speaks vLLM's shapes instead (POST /v1/completions with a token-ID prompt and
+return_token_ids, GET /v1/models and /version), same outputs and faults; EOS (--eos-id) is
+reported like vLLM does: stop_reason null, the EOS as the last token.
 """
 
 from __future__ import annotations
@@ -90,7 +94,13 @@ class Fake:
         if self.counter:
             self.counter.write(
                 json.dumps(
-                    {"n": n, "rid": req.get("rid"), "ids": ids, "sp": req.get("sampling_params")}
+                    {
+                        "n": n,
+                        "rid": req.get("rid"),
+                        "ids": ids,
+                        "sp": req.get("sampling_params"),
+                        "vllm": req.get("vllm"),
+                    }
                 )
                 + "\n"
             )
@@ -145,8 +155,48 @@ class Fake:
             meta["sampling_seed_seen"] = sp["sampling_seed"]
         return 200, {"output_ids": out, "meta_info": meta}
 
+    async def vllm_completions(self, body: bytes):
+        """vLLM's /v1/completions on top of the SGLang fake: translate in, translate out."""
+        try:
+            req = json.loads(body)
+        except ValueError:
+            return 400, {"error": {"message": "bad json", "type": "BadRequestError", "code": 400}}
+        if not req.get("return_token_ids"):
+            return 400, {"error": {"message": "tokenmill needs return_token_ids"}}
+        sp = {"max_new_tokens": req.get("max_tokens", 16)}
+        sp["stop_token_ids"] = req.get("stop_token_ids") or []
+        if self.a.eos_id is not None:
+            sp["stop_token_ids"] = sp["stop_token_ids"] or [self.a.eos_id]
+        inner = {
+            "input_ids": req.get("prompt"),
+            "rid": req.get("request_id"),
+            "sampling_params": sp,
+            "vllm": req,  # logged as sent, for the tests
+        }
+        res = await self.generate(json.dumps(inner).encode())
+        if not isinstance(res, tuple) or res[0] != 200:
+            if isinstance(res, tuple) and isinstance(res[1], dict):
+                msg = res[1].get("message") or res[1].get("error")
+                msg = msg.get("message") if isinstance(msg, dict) else msg
+                return res[0], {"error": {"message": msg, "type": "Error", "code": res[0]}}
+            return res
+        out, meta = res[1]["output_ids"], res[1]["meta_info"]
+        finish = meta["finish_reason"]
+        stop = finish.get("matched") if finish["type"] == "stop" else None
+        if stop == self.a.eos_id:
+            stop = None  # vLLM: EOS has no stop_reason
+        choice = {"index": 0, "text": "", "finish_reason": finish["type"], "stop_reason": stop,
+                  "token_ids": out, "prompt_token_ids": req["prompt"]}  # fmt: skip
+        n_in = len(req["prompt"])
+        usage = {"prompt_tokens": n_in, "completion_tokens": len(out),
+                 "total_tokens": n_in + len(out), "prompt_tokens_details": None}  # fmt: skip
+        return 200, {"id": f"cmpl-{req.get('request_id')}", "object": "text_completion",
+                     "model": req.get("model"), "choices": [choice], "usage": usage}  # fmt: skip
+
     async def route(self, method: str, path: str, headers: dict, body: bytes):
         path = path.split("?", 1)[0]
+        if self.a.api == "vllm":
+            return await self.route_vllm(method, path, headers, body)
         if path in ("/health", "/health_generate", "/ready"):
             return (200, "") if self.ready() else (503, "")
         if path == "/stats":
@@ -159,6 +209,23 @@ class Fake:
             return 200, self.server_info()
         if path == "/generate" and method in ("POST", "PUT"):
             return await self.generate(body)
+        return 404, {"detail": "Not Found"}
+
+    async def route_vllm(self, method: str, path: str, headers: dict, body: bytes):
+        if path == "/health":
+            return (200, "") if self.ready() else (503, "")
+        if self.a.api_key and headers.get("authorization") != f"Bearer {self.a.api_key}":
+            return 401, {"error": {"message": "Unauthorized", "type": "Unauthorized"}}
+        if path == "/version":
+            keep_alive = os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE")
+            return 200, {"version": "0.32.0-fake", "env_keep_alive": keep_alive}
+        if path == "/v1/models":
+            name = self.a.served_model_name or self.a.model_path
+            return 200, {"object": "list", "data": [
+                {"id": name, "object": "model", "root": self.a.model_path, "max_model_len": 2048}
+            ]}  # fmt: skip
+        if path == "/v1/completions" and method == "POST":
+            return await self.vllm_completions(body)
         return 404, {"detail": "Not Found"}
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
@@ -237,7 +304,7 @@ def requested_ids(counter_file) -> list[list[int]]:
 
 def parse_args(argv):
     p = argparse.ArgumentParser()
-    p.add_argument("--model-path", required=True)
+    p.add_argument("--model-path")
     p.add_argument("--served-model-name")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
@@ -257,6 +324,9 @@ def parse_args(argv):
     p.add_argument("--reject-first-token", type=int, action="append", default=[],
                    help="400 for prompts whose first token is this")  # fmt: skip
     p.add_argument("--skip-tokenizer-init", action="store_true")
+    p.add_argument("--api", choices=["sglang", "vllm"], default="sglang")
+    p.add_argument("--eos-id", type=int, default=None, help="vllm: EOS when no stop ids are sent")
+    p.add_argument("--model", dest="model_path", help="vLLM's spelling of --model-path")
     args, _ = p.parse_known_args(argv)  # tolerate real SGLang flags in launch commands
     return args
 

@@ -178,3 +178,125 @@ def test_error_message_shapes_and_parse():
     assert res["finish_matched_str"] == "</a>" and res["finish_matched_id"] is None
     with pytest.raises(ValueError):
         sglang.parse_generate({"meta_info": {}})
+
+
+# ---------------------------------------------------------------------------- vLLM
+
+
+def test_vllm_client_over_fake_vllm(server):
+    from tokenmill.engines import VLLMAPI
+
+    url, counter = server("--api", "vllm", "--eos-id", "4", "--fail-503", "2")
+    api = VLLMAPI({"engine": "vllm", "mode": "external"})
+    api.remember(url, {"served_model_name": "tiny"})
+    items = [Item("a", "f" * 32, [7, 8], seed=123), Item("b", "e" * 32, [7, 9, 1])]
+    opts = _opts(sampling={"max_new_tokens": 5, "temperature": 0.0, "min_new_tokens": 1})
+    stats = asyncio.run(Client([url], opts, [].append, api=api).run(items))
+    lines = [json.loads(x)["vllm"] for x in counter.read_text().splitlines()]
+    sent = {tuple(x["prompt"]): x for x in lines}
+    assert sent[(7, 8)]["model"] == "tiny" and sent[(7, 8)]["seed"] == 123
+    assert sent[(7, 8)]["max_tokens"] == 5 and sent[(7, 8)]["min_tokens"] == 1
+    assert sent[(7, 8)]["stop_token_ids"] == [2] and sent[(7, 8)]["return_token_ids"] is True
+    assert "seed" not in sent[(7, 9, 1)] and "max_new_tokens" not in sent[(7, 9, 1)]
+    assert stats.retries == 2 and stats.done == 2  # the 503s were retried
+
+
+def test_vllm_eos_and_stop_token_mapping(server):
+    from tokenmill.engines import VLLMAPI
+
+    url, _ = server("--api", "vllm", "--eos-id", "4")
+    api = VLLMAPI({"engine": "vllm"})
+    recs = []
+    # no stop_token_ids: the fake stops on EOS, stop_reason null -> matched id = last token
+    asyncio.run(Client([url], _opts(stop_token_ids=[]), recs.append, api=api).run(_items(3)))
+    for r in recs:
+        assert r["finish_type"] == "stop" and r["output_ids"][-1] == 4
+        assert r["finish_matched_id"] == 4 and r["finish_matched_str"] is None
+        assert r["completion_tokens"] == len(r["output_ids"]) and r["prompt_tokens"] == 3
+    recs.clear()
+    asyncio.run(Client([url], _opts(), recs.append, api=api).run(_items(3)))
+    assert {(r["finish_matched_id"], r["output_ids"][-1]) for r in recs} == {(2, 2)}
+
+
+def test_vllm_400_is_a_rejection_with_message(server):
+    from tokenmill.engines import VLLMAPI
+
+    url, _ = server("--api", "vllm", "--reject-first-token", "3")
+    recs = []
+    items = [Item("p3", "3" * 32, [3, 9, 9]), Item("p6", "6" * 32, [6, 9, 9])]
+    asyncio.run(Client([url], _opts(), recs.append, api=VLLMAPI()).run(items))
+    by = {r["prompt_id"]: r for r in recs}
+    assert by["p3"]["status"] == "rejected" and "exceeds" in by["p3"]["message"]
+    assert by["p6"]["status"] == "ok"
+
+
+def test_vllm_validate_sampling_and_flags():
+    from tokenmill.engines import vllm
+
+    vllm.validate_sampling({"max_new_tokens": 8, "temperature": 0.6, "top_k": 20}, False)
+    for bad, match in [
+        ({"max_new_tokens": 8, "seed": 1}, "seed_policy"),
+        ({"max_new_tokens": 8, "max_tokens": 3}, "use max_new_tokens"),
+        ({"max_new_tokens": 8, "stop_token_ids": [1]}, "stop_tokens"),
+        ({"max_new_tokens": 8, "regex": "a+"}, "sampling.regex: not supported with engine vllm"),
+        ({"max_new_tokens": 8, "n": 2}, "sampling.n"),
+        ({"temperature": 1.0}, "max_new_tokens"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            vllm.validate_sampling(bad, False)
+    with pytest.raises(ValueError, match="stop strings"):
+        vllm.validate_sampling({"max_new_tokens": 8, "stop": ["x"]}, True)
+    assert vllm.skip_tokenizer_init(["python", "-m", "x", "--tokens-only"])
+    assert not vllm.skip_tokenizer_init(["python", "--dtype", "float32"])
+
+
+def test_vllm_request_shapes_both_endpoints():
+    from tokenmill.engines import VLLMAPI
+
+    api = VLLMAPI({"engine": "vllm", "launch": {"command": ["serve"]}})
+    api.remember("http://h:1/", {"served_model_name": "m", "model_path": "/p"})
+    api.prepare({"max_new_tokens": 4, "top_p": 0.9}, [7])
+    path, body = api.build_request("http://h:1", [1, 2], 5, "k-1")
+    assert path == "/v1/completions"
+    assert json.loads(body) == {
+        "model": "m", "prompt": [1, 2], "max_tokens": 4, "top_p": 0.9, "stop_token_ids": [7],
+        "seed": 5, "return_token_ids": True, "request_id": "k-1",
+    }  # fmt: skip
+    tok = VLLMAPI({"engine": "vllm", "launch": {"command": ["serve", "--tokens-only"]}})
+    tok.prepare({"max_new_tokens": 4}, [7])
+    path, body = tok.build_request("http://h:1", [1, 2], None, "k-1")
+    assert path == "/inference/v1/generate"
+    sp = {"max_tokens": 4, "stop_token_ids": [7]}
+    assert json.loads(body) == {"token_ids": [1, 2], "sampling_params": sp}
+
+
+def test_vllm_parse_verbatim_responses():
+    from tokenmill.engines import BadResponse, vllm
+
+    # verbatim shapes from shared/reference/vllm-cpu.md
+    length = {"choices": [{"index": 0, "finish_reason": "length", "stop_reason": None,
+              "token_ids": [441, 245, 130, 17]}],
+              "usage": {"prompt_tokens": 3, "completion_tokens": 4,
+                        "prompt_tokens_details": {"cached_tokens": 2}}}  # fmt: skip
+    r = vllm.parse_choice(length)
+    assert r["finish_type"] == "length" and r["finish_matched_id"] is None
+    assert r["cached_tokens"] == 2 and r["output_ids"] == [441, 245, 130, 17]
+    stop = {"choices": [{"finish_reason": "stop", "stop_reason": 130, "token_ids": [441, 130]}]}
+    assert vllm.parse_choice(stop)["finish_matched_id"] == 130
+    eos = {"choices": [{"finish_reason": "stop", "stop_reason": None, "token_ids": [2]}]}
+    assert vllm.parse_choice(eos)["finish_matched_id"] == 2
+    s = {"choices": [{"finish_reason": "stop", "stop_reason": "xyz", "token_ids": [9, 8]}]}
+    r = vllm.parse_choice(s)
+    assert r["finish_matched_str"] == "xyz" and r["finish_matched_id"] is None
+    tokens = {"choices": [{"finish_reason": "length", "stop_reason": None, "token_ids": [1],
+              "weight_versions": [{"version": "default", "start": 0, "end": 1}]}]}  # fmt: skip
+    assert vllm.parse_choice(tokens)["weight_version"] == "default"
+    err = {"choices": [{"finish_reason": "error", "stop_reason": None, "token_ids": []}]}
+    assert vllm.parse_choice(err)["finish_type"] == "abort"  # retried by the client
+    for bad in ({"choices": []}, {"choices": [{"finish_reason": "stop"}]}, [1]):
+        with pytest.raises(BadResponse):
+            vllm.parse_choice(bad)
+    body = (
+        b'{"error":{"message":"Scale-out endpoints are disabled.","type":"PermissionDeniedError"}}'
+    )
+    assert vllm.VLLMAPI().error_message(body, 403) == "Scale-out endpoints are disabled."

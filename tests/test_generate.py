@@ -345,3 +345,36 @@ def test_string_stop_tokens_resolved_with_the_tokenizer(tmp_path):
     ids = json.loads(sp)
     assert len(ids) == 1 and isinstance(ids[0], int)
     assert r.result()[0].column("finish_matched_id").to_pylist() == ids * 3
+
+
+def test_vllm_engine_managed_end_to_end(tmp_path):
+    """engine: vllm through the whole stage (fake vLLM server): mapping, EOS, provenance, keys."""
+    r = Run(tmp_path, "--api", "vllm", "--eos-id", "4", n=12, engine="vllm", stop_tokens=[])
+    r.gen["launch"]["command"][2] = "--model"  # vLLM's spelling
+    out = r.run()
+    assert "progress 12/12" in out
+    g, _ = _complete(r, 12)
+    rows = g.to_pylist()
+    assert {(x["finish_type"], x["output_ids"][-1], x["finish_matched_id"]) for x in rows} == {
+        ("stop", 4, 4)
+    }
+    m = r.meta()
+    assert m["engine"] == "vllm" and m["server_info"]["version"] == "0.32.0-fake"
+    assert m["server_info"]["env_keep_alive"] == "600"  # managed vLLM: no 5 s idle cut
+    assert m["model_info"]["model_path"] == "fake/model"
+    sent = [json.loads(x)["vllm"] for x in r.counter.read_text().splitlines()]
+    assert all(s["model"] == "fake/model" and s["max_tokens"] == 32 for s in sent)
+    # the same config on SGLang is another sample key: nothing is reused across engines
+    sglang_keys = Run(tmp_path / "s", n=12, stop_tokens=[])
+    assert contracts.read_metadata(r.out["g.parquet"])[
+        contracts.META_GENERATION_FINGERPRINT
+    ] != __import__("tokenmill.keys").keys.generation_fingerprint(sglang_keys.gen)
+
+
+def test_vllm_unsupported_sampling_key_fails_before_any_request(tmp_path):
+    r = Run(
+        tmp_path, "--api", "vllm", n=3, engine="vllm", sampling={"max_new_tokens": 8, "regex": "a"}
+    )
+    out = r.run(expect_rc=1)
+    assert "generation.sampling.regex: not supported with engine vllm" in out
+    assert r.requests() == 0

@@ -1,4 +1,7 @@
-"""asyncio client for SGLang's native /generate: one prompt per request, bounded concurrency.
+"""asyncio client for an engine's token-IDs endpoint: one prompt per request, bounded concurrency.
+
+The engine-specific part (request path and body, reading the answer, error bodies) is an
+`EngineAPI` from tokenmill.engines (SGLang's /generate by default, vLLM's /v1/completions).
 
 A fixed pool of worker coroutines (concurrency per server) pulls prompts from one queue; each
 request goes to the server with the fewest requests in flight. Every finished sample (or 400
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from tokenmill import sglang
+from tokenmill.engines import EngineAPI, SGLangAPI
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +114,7 @@ class Client:
         on_record: Callable[[dict], None],
         alive: Callable[[], bool] | None = None,
         stats: Stats | None = None,
+        api: EngineAPI | None = None,
     ):
         if not urls:
             raise ValueError("no server URLs")
@@ -123,24 +127,16 @@ class Client:
         self._headers = {"Content-Type": "application/json"}
         if opts.api_key:
             self._headers["Authorization"] = f"Bearer {opts.api_key}"
+        self.api = api or SGLangAPI()
         # Sampling params shared by every request; per-request fields are added to a copy.
-        self._base_sampling = dict(opts.sampling)
-        if opts.stop_token_ids:
-            self._base_sampling["stop_token_ids"] = list(opts.stop_token_ids)
+        self.api.prepare(opts.sampling, opts.stop_token_ids)
 
     def _pick_url(self) -> str:
         return min(self.urls, key=self._in_flight.__getitem__)
 
-    def _body(self, item: Item, attempt: int) -> bytes:
-        sp = self._base_sampling
-        if item.seed is not None:
-            sp = {**sp, "sampling_seed": item.seed}
+    def _request(self, url: str, item: Item, attempt: int) -> tuple[str, bytes]:
         # rid: unique per attempt (SGLang rejects duplicate rids still in flight after a retry).
-        rid = f"{item.key}-{attempt}"
-        return json.dumps(
-            {"input_ids": item.prompt_ids, "sampling_params": sp, "rid": rid},
-            separators=(",", ":"),
-        ).encode()
+        return self.api.build_request(url, item.prompt_ids, item.seed, f"{item.key}-{attempt}")
 
     async def _once(self, session: aiohttp.ClientSession, item: Item, attempt: int):
         url = self._pick_url()
@@ -148,10 +144,9 @@ class Client:
         self.stats.in_flight += 1
         self.stats.requested += 1
         t0 = time.monotonic()
+        path, body = self._request(url, item, attempt)
         try:
-            async with session.post(
-                url + "/generate", data=self._body(item, attempt), headers=self._headers
-            ) as resp:
+            async with session.post(url + path, data=body, headers=self._headers) as resp:
                 raw = await resp.read()
                 status = resp.status
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
@@ -161,7 +156,7 @@ class Client:
             self.stats.in_flight -= 1
         if status == 200:
             try:
-                res = sglang.parse_generate(json.loads(raw))
+                res = self.api.parse_response(json.loads(raw))
             except ValueError as exc:
                 raise _Retryable(f"{url}: bad 200 response: {exc}") from None
             if res["finish_type"] == "abort":
@@ -169,7 +164,7 @@ class Client:
             res["latency_s"] = res["latency_s"] or (time.monotonic() - t0)
             res["server"] = url
             return "ok", res
-        msg = sglang.error_message(raw, status)
+        msg = self.api.error_message(raw, status)
         if status == 400:
             return "rejected", {"message": msg, "server": url}
         if status >= 500 or status in (408, 429):
@@ -244,7 +239,7 @@ class Client:
         conn = aiohttp.TCPConnector(
             limit=self.opts.concurrency * len(self.urls),
             limit_per_host=self.opts.concurrency,
-            keepalive_timeout=300,
+            keepalive_timeout=self.api.client_keepalive_s,
         )
         timeout = aiohttp.ClientTimeout(total=self.opts.request_timeout_s)
         async with aiohttp.ClientSession(

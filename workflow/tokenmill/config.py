@@ -115,11 +115,10 @@ def check_semantics(config: dict, basedir: str | Path = ".") -> None:
             problems.append("config key 'generation.launch.command': required in managed mode")
         if gen.get("mode") == "external" and not gen.get("external", {}).get("urls"):
             problems.append("config key 'generation.external.urls': required in external mode")
-        from tokenmill import sglang
+        from tokenmill import engines
 
-        command = gen.get("launch", {}).get("command", []) if gen.get("mode") == "managed" else []
         try:
-            sglang.validate_sampling(gen.get("sampling", {}), sglang.skip_tokenizer_init(command))
+            engines.validate(gen)
         except ValueError as exc:
             problems.append(f"config key 'generation.sampling': {exc}")
     if problems:

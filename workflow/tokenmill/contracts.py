@@ -29,8 +29,9 @@ META_CATEGORY = "tokenmill.category"
 META_SHARD = "tokenmill.shard"
 
 # prepare: results/prompts/{category}.parquet
-# messages and tools are canonical JSON (sorted keys, no spaces): conversations are
-# free-form (tool calls, arbitrary tool schemas), which Arrow structs represent badly.
+# messages and tools are compact JSON in their source key order (see ordered_json):
+# conversations are free-form (tool calls, arbitrary tool schemas), which Arrow structs
+# represent badly.
 PROMPTS = pa.schema(
     [
         pa.field("prompt_id", pa.string(), nullable=False),
@@ -115,6 +116,13 @@ def canonical_json(value) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def ordered_json(value) -> str:
+    """Compact JSON that keeps key order. Messages and tools are stored this way: chat
+    templates render tools with `tojson`, which keeps key order, so sorting the keys would
+    change the prompt the model sees (prompt_id still hashes the canonical form)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
 def with_metadata(schema: pa.Schema, stage: str, extra: Mapping[str, str] | None = None):
     meta = {META_SCHEMA_VERSION: SCHEMA_VERSION, META_STAGE: stage}
     meta.update(extra or {})
@@ -132,6 +140,10 @@ def atomic_path(path: str | os.PathLike):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    # mkstemp creates 0600; outputs on a shared cluster filesystem get the usual umask mode.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     return Path(tmp)
 
 

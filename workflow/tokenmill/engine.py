@@ -2,8 +2,10 @@
 
 Managed: argv from generation.launch.command with placeholders substituted (an argument list,
 never a shell string), a free port, its own process group, stdout/stderr appended to
-{log_dir}/engine.log; ready when GET /health is 200 AND /model_info answers; the served model is
-checked against generation.model. Stop = SIGTERM to the group, wait, SIGKILL.
+{log_dir}/engine.log; ready when GET /health is 200 AND the engine's model endpoint answers
+(SGLang /model_info, vLLM /v1/models); the served model is checked against generation.model.
+Stop = SIGTERM to the group, wait, SIGKILL. What differs between engines (endpoints, default
+environment) comes from the engine's EngineAPI (tokenmill.engines).
 
 Multi-node (launch.nnodes > 1, inside a SLURM allocation): the command runs through
 `srun --nodes=N --ntasks=N --ntasks-per-node=1 --kill-on-bad-exit=1 python -m tokenmill.engine
@@ -31,61 +33,15 @@ from pathlib import Path
 
 import aiohttp
 
-SECRET_KEY_PARTS = ("api_key", "apikey", "secret", "password", "passwd", "credential")
-SECRET_FLAGS = ("--api-key", "--admin-api-key")
-REDACTED = "<redacted>"
+from tokenmill import engines
+from tokenmill.engines import EngineAPI
+from tokenmill.secrets import REDACTED, redact, redact_argv  # noqa: F401
+
 DIST_PORT_OFFSET = 1000  # dist_init_addr port = HTTP port + this (both picked per launch)
 
 
 class EngineError(RuntimeError):
     pass
-
-
-# ---------------------------------------------------------------------------- redaction
-
-
-def _secret_key(key: str) -> bool:
-    k = key.lower()
-    if any(part in k for part in SECRET_KEY_PARTS):
-        return True
-    # "token" as a word (hf_token, access_token) -- not max_total_num_tokens or tokenizer_path.
-    return "token" in re.split(r"[_\-.]", k)
-
-
-def redact(obj, secrets: list[str] | tuple = ()):
-    """Copy of obj with secret-looking keys and any occurrence of a secret value redacted."""
-    secrets = [s for s in secrets if s]
-    if isinstance(obj, dict):
-        return {
-            k: (REDACTED if _secret_key(str(k)) and v not in (None, "") else redact(v, secrets))
-            for k, v in obj.items()
-        }
-    if isinstance(obj, list | tuple):
-        return [redact(v, secrets) for v in obj]
-    if isinstance(obj, str):
-        for s in secrets:
-            obj = obj.replace(s, REDACTED)
-        return obj
-    return obj
-
-
-def redact_argv(argv: list[str], secrets: list[str] | tuple = ()) -> list[str]:
-    out, hide_next = [], False
-    for arg in argv:
-        if hide_next:
-            out.append(REDACTED)
-            hide_next = False
-            continue
-        flag, eq, _ = arg.partition("=")
-        if flag in SECRET_FLAGS:
-            out.append(f"{flag}={REDACTED}" if eq else arg)
-            hide_next = not eq
-            continue
-        out.append(redact(arg, secrets))
-    return out
-
-
-# ---------------------------------------------------------------------------- launching
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -174,33 +130,19 @@ def task_main(argv: list[str]) -> int:
 # ---------------------------------------------------------------------------- HTTP helpers
 
 
-async def _get_json(session: aiohttp.ClientSession, url: str, headers: dict):
-    async with session.get(url, headers=headers) as r:
-        if r.status != 200:
-            return r.status, None
-        try:
-            return 200, await r.json(content_type=None)
-        except (ValueError, aiohttp.ContentTypeError):
-            return 200, None
+_get_json = engines.base.get_json
 
 
-async def fetch_info(url: str, headers: dict, timeout: float = 30.0) -> tuple[dict, dict]:
-    """(/server_info, /model_info) with fallbacks to the deprecated /get_* aliases."""
+async def fetch_info(
+    url: str, headers: dict, timeout: float = 30.0, api: EngineAPI | None = None
+) -> tuple[dict, dict]:
+    """(server info, model info) as the engine reports them ({} where unavailable)."""
+    api = api or engines.SGLangAPI()
     t = aiohttp.ClientTimeout(total=timeout)
     async with aiohttp.ClientSession(timeout=t) as s:
-        out = []
-        for paths in (("/server_info", "/get_server_info"), ("/model_info", "/get_model_info")):
-            info = {}
-            for path in paths:
-                try:
-                    status, body = await _get_json(s, url + path, headers)
-                except (TimeoutError, aiohttp.ClientError, OSError):
-                    continue
-                if status == 200 and isinstance(body, dict):
-                    info = body
-                    break
-            out.append(info)
-    return out[0], out[1]
+        server_info = await api.fetch_server_info(s, url, headers)
+        model_info = await api.fetch_model_info(s, url, headers) or {}
+    return server_info, model_info
 
 
 def model_matches(model_info: dict, model: str, basedir: str | Path = ".") -> bool:
@@ -219,8 +161,16 @@ def model_matches(model_info: dict, model: str, basedir: str | Path = ".") -> bo
 
 
 class ManagedEngine:
-    def __init__(self, gen: dict, log_dir, basedir=".", api_key: str | None = None):
+    def __init__(
+        self,
+        gen: dict,
+        log_dir,
+        basedir=".",
+        api_key: str | None = None,
+        api: EngineAPI | None = None,
+    ):
         self.gen = gen
+        self.api = api or engines.for_config(gen)
         self.launch = gen.get("launch") or {}
         self.log_path = Path(log_dir) / "engine.log"
         self.basedir = Path(basedir)
@@ -283,7 +233,7 @@ class ManagedEngine:
         self.url = f"http://{self._request_host()}:{port}"
         self.starts += 1
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
+        env = {**self.api.default_env, **os.environ}
         env.update({k: str(v) for k, v in (self.launch.get("env") or {}).items()})
         with open(self.log_path, "ab") as logf:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -326,25 +276,22 @@ class ManagedEngine:
                         f"last lines of {self.log_path}:\n{self.log_tail()}"
                     )
                 try:
-                    st, _ = await _get_json(s, self.url + "/health", self.headers)
-                    if st == 200:
-                        st2, mi = await _get_json(s, self.url + "/model_info", self.headers)
-                        if st2 != 200:
-                            st2, mi = await _get_json(s, self.url + "/get_model_info", self.headers)
-                        if st2 == 200 and isinstance(mi, dict):
-                            break
+                    st, _ = await _get_json(s, self.url + self.api.health_path, self.headers)
+                    if st == 200 and await self.api.fetch_model_info(s, self.url, self.headers):
+                        break
                 except (TimeoutError, aiohttp.ClientError, OSError):
                     pass
                 # Poll fast at first (test servers start in a second), then gently.
                 waited = time.monotonic() - (deadline - timeout)
                 await asyncio.sleep(0.1 if waited < 10 else 1.0)
-        self.server_info, self.model_info = await fetch_info(self.url, self.headers)
+        self.server_info, self.model_info = await fetch_info(self.url, self.headers, api=self.api)
         if not model_matches(self.model_info, self.gen["model"], self.basedir):
             served = self.model_info.get("model_path"), self.model_info.get("served_model_name")
             self.stop()
             raise EngineError(
                 f"engine serves {served}, but generation.model is {self.gen['model']!r}"
             )
+        self.api.remember(self.url, self.model_info)
 
     def stop(self, grace_s: float = 30.0) -> None:
         proc, self.proc = self.proc, None
@@ -370,7 +317,8 @@ class ManagedEngine:
 class ExternalEngines:
     """Servers (or an sglang-router) started by someone else: nothing to launch or stop."""
 
-    def __init__(self, gen: dict, api_key: str | None = None):
+    def __init__(self, gen: dict, api_key: str | None = None, api: EngineAPI | None = None):
+        self.api = api or engines.for_config(gen)
         self.urls = [u.rstrip("/") for u in (gen.get("external") or {}).get("urls", [])]
         self.api_key = api_key
         self.server_info: dict = {}
@@ -379,7 +327,7 @@ class ExternalEngines:
 
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        infos = [await fetch_info(u, headers) for u in self.urls]
+        infos = [await fetch_info(u, headers, api=self.api) for u in self.urls]
         self.server_info = {u: si for u, (si, _) in zip(self.urls, infos, strict=True)}
         self.model_info = {u: mi for u, (_, mi) in zip(self.urls, infos, strict=True)}
         for u, mi in self.model_info.items():
@@ -388,6 +336,8 @@ class ExternalEngines:
                     f"{u} serves {mi.get('model_path')!r}, but generation.model is "
                     f"{self.gen['model']!r}"
                 )
+            if mi:
+                self.api.remember(u, mi)
 
     def alive(self) -> bool:
         return True

@@ -29,7 +29,13 @@ import pyarrow as pa
 
 from tokenmill import formats
 from tokenmill.config import load_hook, normalize_source
-from tokenmill.contracts import PROMPTS, REJECTED, canonical_json, rejected_table, write_table
+from tokenmill.contracts import (
+    PROMPTS,
+    REJECTED,
+    ordered_json,
+    rejected_table,
+    write_table,
+)
 from tokenmill.sources import SourceError, iter_source
 
 STAGE = "prepare"
@@ -128,8 +134,8 @@ def prepare(category: str, cat: dict, basedir: str | Path = "."):
                     kept[pid] = {
                         "prompt_id": pid,
                         "source": record.location,
-                        "messages": canonical_json(messages),
-                        "tools": None if tools is None else canonical_json(tools),
+                        "messages": ordered_json(messages),
+                        "tools": None if tools is None else ordered_json(tools),
                         "_raw": record.raw,
                     }
                     order[pid] = key

@@ -50,7 +50,6 @@ import hashlib
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 from importlib import metadata as importlib_metadata
@@ -60,6 +59,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from tokenmill import contracts, keys
+from tokenmill.secrets import REDACTED, redact  # noqa: F401
 
 SCHEMA = "tokenmill.provenance/1"
 PACKAGES = (
@@ -75,9 +75,6 @@ PACKAGES = (
     "numpy",
     "jinja2",
 )
-REDACTED = "<redacted>"
-_SECRET_KEY = re.compile(r"(api[_-]?key|token$|secret|password|authorization|credential)", re.I)
-_SECRET_FLAGS = ("--api-key", "--admin-api-key", "--hf-token", "--token")
 
 
 def sha256_file(path) -> str:
@@ -95,38 +92,6 @@ def file_entry(path, rel_to=None) -> dict:
         "size": p.stat().st_size,
         "sha256": sha256_file(p),
     }
-
-
-def redact(value):
-    """Copy of `value` with secret-looking keys and --api-key style arguments redacted."""
-    if isinstance(value, dict):
-        return {
-            k: (
-                REDACTED
-                if _SECRET_KEY.search(str(k))
-                and v not in (None, "", False)
-                and not isinstance(v, dict | list)
-                else redact(v)
-            )
-            for k, v in value.items()
-        }
-    if isinstance(value, list):
-        out, hide_next = [], False
-        for v in value:
-            if hide_next:
-                out.append(REDACTED)
-                hide_next = False
-                continue
-            if isinstance(v, str) and v.split("=", 1)[0] in _SECRET_FLAGS:
-                if "=" in v:
-                    out.append(v.split("=", 1)[0] + "=" + REDACTED)
-                else:
-                    out.append(v)
-                    hide_next = True
-                continue
-            out.append(redact(v))
-        return out
-    return value
 
 
 def scrub_text(text: str, config: dict) -> str:

@@ -1101,6 +1101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", default=None)
     p.add_argument("--tool-call-parser", default=None)
     p.add_argument("--stream-interval", type=int, default=1)
+    p.add_argument("--log-requests", action="store_true", help="log every request served")
     p.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
     )
@@ -1146,7 +1147,17 @@ async def serve(args) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(make_app(engine), access_log=None, shutdown_timeout=1.0)
+    # --log-requests (as SGLang's flag): one access-log line per HTTP request served, so tests
+    # can count what the server itself received.
+    access_log = logging.getLogger("aiohttp.access") if args.log_requests else None
+    if access_log:
+        access_log.setLevel(logging.INFO)
+    runner = web.AppRunner(
+        make_app(engine),
+        access_log=access_log,
+        access_log_format='%a "%r" %s',
+        shutdown_timeout=1.0,
+    )
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()

@@ -153,8 +153,9 @@ def build_tiny_model(out_dir, template: str = "kimi", train_steps: int = 300, se
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        # head_dim 32: vLLM's CPU attention supports head sizes 32, 64, 80, ... (not 16).
+        num_attention_heads=2,
+        num_key_value_heads=1,
         max_position_embeddings=4096,
         eos_token_id=eos_id,
         bos_token_id=tokenizer.convert_tokens_to_ids("[BOS]"),

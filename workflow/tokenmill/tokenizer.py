@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
+
+from tokenmill.contracts import canonical_json
 
 
 def load_tokenizer(cfg: dict, basedir: str | os.PathLike = "."):
@@ -36,6 +39,83 @@ def resolve_token_ids(tokenizer, tokens) -> list[int]:
             continue
         encoded = tokenizer.encode(tok, add_special_tokens=False)
         if len(encoded) != 1:
-            raise ValueError(f"'{tok}' is not a single token of this tokenizer (encodes to {encoded})")
+            raise ValueError(
+                f"'{tok}' is not a single token of this tokenizer (encodes to {encoded})"
+            )
         ids.append(encoded[0])
     return ids
+
+
+# Model weights are not part of a tokenizer (and hashing gigabytes would be wasteful).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
+WEIGHT_INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tokenizer_files(directory: str | os.PathLike) -> list[dict]:
+    """name (relative, posix), size and sha256 of every tokenizer file under `directory`.
+
+    Weights and their index files are left out, and so are hidden files and folders (.git,
+    .cache of `hf download --local-dir`): they do not change how text becomes tokens.
+    """
+    root = Path(directory)
+    files = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if any(part.startswith(".") for part in rel.parts) or not path.is_file():
+            continue
+        if path.name.endswith(WEIGHT_SUFFIXES + WEIGHT_INDEX_SUFFIXES):
+            continue
+        files.append(
+            {"name": rel.as_posix(), "size": path.stat().st_size, "sha256": _sha256_file(path)}
+        )
+    return files
+
+
+def tokenizer_dir(cfg: dict, basedir: str | os.PathLike = ".") -> Path:
+    """The directory holding the tokenizer's files: the local path, or the hub snapshot.
+
+    A hub id must already be in the local Hugging Face cache (load the tokenizer first).
+    """
+    local = Path(basedir) / cfg["path"]
+    if local.is_dir():
+        return local
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(cfg["path"], revision=cfg.get("revision"), local_files_only=True)
+        )
+    except Exception as exc:  # noqa: BLE001 - re-raised with what was looked for
+        raise FileNotFoundError(
+            f"tokenizer '{cfg['path']}' (revision {cfg.get('revision')}) is neither a local "
+            f"directory under {basedir} nor in the Hugging Face cache: {exc}"
+        ) from exc
+
+
+def tokenizer_fingerprint(cfg: dict, basedir: str | os.PathLike = ".", tokenizer=None):
+    """(sha256 hex, files) of everything that decides how a conversation becomes token ids.
+
+    Covers the tokenizer files (name + sha256, weights excluded), the revision, remote code, the
+    effective chat template (after a configured override) and chat_template_kwargs. Not the
+    path: the same files elsewhere tokenize the same way. `files` is for the provenance.
+    """
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg, basedir)
+    files = tokenizer_files(tokenizer_dir(cfg, basedir))
+    material = {
+        "files": [[f["name"], f["sha256"]] for f in files],
+        "revision": cfg.get("revision"),
+        "trust_remote_code": bool(cfg.get("trust_remote_code", False)),
+        # str, or a dict of named templates for tokenizers that ship several.
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "chat_template_kwargs": cfg.get("chat_template_kwargs") or {},
+    }
+    return hashlib.sha256(canonical_json(material).encode()).hexdigest(), files

@@ -1,0 +1,47 @@
+"""Shared pytest fixtures. Keep them small and generic: tests build their own specific inputs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# No Hugging Face downloads, ever: set before anything imports huggingface_hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    """A tiny fast tokenizer (no model) with the Kimi-K2.5-shaped chat template."""
+    from tokenmill.tiny import build_tiny_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny_kimi_tokenizer")
+    build_tiny_tokenizer(out, template="kimi")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_tokenizer_dir(tmp_path_factory) -> Path:
+    """The same tiny tokenizer with the Qwen3-shaped chat template (honours enable_thinking)."""
+    from tokenmill.tiny import build_tiny_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny_qwen3_tokenizer")
+    build_tiny_tokenizer(out, template="qwen3")
+    return out
+
+
+@pytest.fixture(scope="session")
+def sample_model_dir() -> Path:
+    """The committed demo model (tokenizer + 2-layer LM) in sample/model."""
+    path = REPO_ROOT / "sample" / "model"
+    assert (path / "tokenizer.json").is_file(), f"{path} is missing the committed demo model"
+    return path

@@ -1,0 +1,32 @@
+"""Engines the generate stage can drive. A new engine = one module with an EngineAPI subclass,
+registered here (and added to the `generation.engine` enum of the config schema)."""
+
+from __future__ import annotations
+
+from tokenmill.engines.base import BadResponse, EngineAPI, error_message
+from tokenmill.engines.sglang import SGLangAPI
+from tokenmill.engines.vllm import VLLMAPI
+
+ENGINES: dict[str, type[EngineAPI]] = {"sglang": SGLangAPI, "vllm": VLLMAPI}
+
+__all__ = ["ENGINES", "BadResponse", "EngineAPI", "SGLangAPI", "VLLMAPI", "error_message", "get"]
+
+
+def get(name: str | None) -> type[EngineAPI]:
+    try:
+        return ENGINES[name or "sglang"]
+    except KeyError:
+        raise ValueError(
+            f"generation.engine: unknown engine {name!r} (known: {', '.join(sorted(ENGINES))})"
+        ) from None
+
+
+def for_config(gen: dict) -> EngineAPI:
+    return get(gen.get("engine"))(gen)
+
+
+def validate(gen: dict) -> None:
+    """Check generation.sampling against the configured engine (managed: its launch flags)."""
+    api = get(gen.get("engine"))
+    command = (gen.get("launch") or {}).get("command") if gen.get("mode") != "external" else None
+    api.validate_sampling(gen.get("sampling") or {}, api.skip_tokenizer_init(command))

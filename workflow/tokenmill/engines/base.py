@@ -1,0 +1,121 @@
+"""What every engine module provides: the small engine-specific part of the generate stage.
+
+The client, the managed/external engine code and the generate stage are engine-neutral; an
+engine is one `EngineAPI` subclass that knows how to ask its server for token IDs, how to read
+the answer, how to read the server's identity (for the model check and provenance), and which
+`generation.sampling` keys it accepts. `generation.sampling` uses one vocabulary for every engine
+(SGLang's names: max_new_tokens, min_new_tokens, ...); an engine maps it onto its own request.
+"""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+
+
+class BadResponse(ValueError):
+    """A 200 response that does not look like a generation result."""
+
+
+def error_message(body: bytes | str, status: int | None = None) -> str:
+    """The message of the usual JSON error bodies: {"error": str}, {"error": {"message"}},
+    {"object": "error", "message", "code"}, {"detail": str}; plain text otherwise."""
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return text.strip()[:2000] or f"HTTP {status}"
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, str):
+            return err
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in obj:
+            return str(obj["message"])
+        if isinstance(obj.get("detail"), str):
+            return obj["detail"]
+    return text.strip()[:2000]
+
+
+def has_flag(command: list[str] | None, *flags: str) -> bool:
+    return bool(command) and any(a in flags or a.split("=", 1)[0] in flags for a in command)
+
+
+async def get_json(session: aiohttp.ClientSession, url: str, headers: dict):
+    """(status, parsed JSON or None)."""
+    async with session.get(url, headers=headers) as r:
+        if r.status != 200:
+            return r.status, None
+        try:
+            return 200, await r.json(content_type=None)
+        except (ValueError, aiohttp.ContentTypeError):
+            return 200, None
+
+
+class EngineAPI:
+    """One engine's HTTP API. Instances hold per-run state (the model name each URL serves)."""
+
+    name = "?"
+    health_path = "/health"
+    # Seconds aiohttp keeps an idle pooled connection; below the server's own idle timeout so
+    # that we never reuse a connection the server is closing.
+    client_keepalive_s = 300.0
+    # Environment defaults for a managed engine process (launch.env overrides them).
+    default_env: dict[str, str] = {}
+
+    def __init__(self, gen: dict | None = None):
+        self.gen = gen or {}
+        self.launch_command = list((self.gen.get("launch") or {}).get("command") or [])
+        self.served_model: dict[str, str] = {}  # url -> model name to put in requests
+
+    # ---- configuration ----
+    @staticmethod
+    def skip_tokenizer_init(command: list[str] | None) -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    def validate_sampling(params: dict, skip_tokenizer_init: bool) -> None:
+        """Raise ValueError naming the key for sampling params this engine refuses."""
+        raise NotImplementedError
+
+    def server_skips_tokenizer(self, server_info: dict) -> bool:
+        """From a running server's info (external mode): does it run without a tokenizer?"""
+        return False
+
+    # ---- requests ----
+    def prepare(self, sampling: dict, stop_token_ids: list[int]) -> None:
+        """Fix the sampling part shared by every request of the run."""
+        raise NotImplementedError
+
+    def build_request(self, url: str, prompt_ids: list[int], seed: int | None, rid: str):
+        """-> (path, JSON body bytes)."""
+        raise NotImplementedError
+
+    def parse_response(self, obj) -> dict:
+        """A 200 JSON body -> the GENERATED columns it carries (server/sample_key excluded):
+        output_ids, finish_type (stop/length/abort), finish_matched_id/str, finish_message,
+        prompt_tokens, completion_tokens, cached_tokens, latency_s, weight_version."""
+        raise NotImplementedError
+
+    def error_message(self, body: bytes | str, status: int | None = None) -> str:
+        return error_message(body, status)
+
+    # ---- identity ----
+    async def fetch_model_info(self, session, url: str, headers: dict) -> dict | None:
+        """The served model as {"model_path", "served_model_name", ...}; None if not ready."""
+        raise NotImplementedError
+
+    async def fetch_server_info(self, session, url: str, headers: dict) -> dict:
+        """Version and arguments of the server, for provenance ({} when unavailable)."""
+        raise NotImplementedError
+
+    def remember(self, url: str, model_info: dict) -> None:
+        name = model_info.get("served_model_name") or model_info.get("model_path")
+        if name:
+            self.served_model[url.rstrip("/")] = name
+
+    @staticmethod
+    def _dumps(obj) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()

@@ -1,0 +1,659 @@
+"""`tokenmill tokenize`: one category's prompts -> tokenized shards (raw prompt token ids).
+
+    tokenmill tokenize --prompts results/prompts/C.parquet --category C --shards N \\
+        --tokenizer-config JSON_OR_FILE --max-prompt-tokens M --out-dir results/tokenized/C \\
+        --rejected results/rejected/tokenize/C.parquet [--basedir .] [--workers K] [--processes P]
+
+    prompt_ids = apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                     tokenize=True, **chat_template_kwargs)
+
+With a fast tokenizer the same ids are computed by rendering the template to text
+(tokenize=False) and batch-encoding the texts with `tokenizer(texts, add_special_tokens=False)`,
+which is exactly what apply_chat_template does for one prompt, but lets the Rust encoder work
+on a whole chunk in parallel. A slow tokenizer (Kimi's tiktoken one) takes the generic path:
+apply_chat_template(tokenize=True) per prompt.
+
+--workers K is the number of cores the stage may use. A fast tokenizer encodes in this process
+with K Rust threads while a second thread shards and writes (measured on 2 cores: spreading a
+fast tokenizer over processes is slower; rendering is ~10% of the work); a slow tokenizer gets
+K processes, each encoding whole chunks. --processes P overrides that choice.
+
+Streaming: the prompts file (sorted by prompt_id) is read by record batches; each shard's rows
+arrive in prompt_id order and are cut into row groups by a rule that depends only on that
+shard's own rows (ROW_GROUP_SIZE rows or ROW_GROUP_TOKENS tokens), so a prompt edited in one
+shard leaves every other shard byte-identical. Row groups are spilled to a temporary Arrow IPC
+file per shard and copied into the final Parquet file at the end, because the shard's counts
+(records_in / kept / rejected) go in its metadata, which is written when the file is opened.
+All N shard files are always written, empty ones too.
+
+Rejections (results/rejected/tokenize/C.parquet, stage "tokenize", prompt_id order):
+invalid_record (messages/tools not JSON, or not a list of messages), template_error (the chat
+template raised), encode_error, empty_prompt, too_long (never truncated), duplicate_prompt_id,
+invalid_prompt_id (no shard can be computed; counted in the category totals only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import inspect
+import itertools
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from tokenmill import contracts, shards
+
+STAGE = "tokenize"
+CHUNK_ROWS = 1024
+# A shard's row group ends at ROW_GROUP_SIZE rows or once it holds this many tokens, whichever
+# comes first: bounds memory to about shards x 4 MiB of buffered ids for long prompts.
+ROW_GROUP_TOKENS = 1 << 20
+REJECTED_GROUP_ROWS = 1024
+DETAIL_MAX_CHARS = 500
+
+META_RECORDS_IN = "tokenmill.records_in"
+META_KEPT = "tokenmill.kept"
+META_REJECTED = "tokenmill.rejected"
+META_NUM_SHARDS = "tokenmill.num_shards"
+META_MAX_PROMPT_TOKENS = "tokenmill.max_prompt_tokens"
+META_PROMPT_TOKENS = "tokenmill.prompt_tokens"
+
+INVALID_RECORD = "invalid_record"
+TEMPLATE_ERROR = "template_error"
+ENCODE_ERROR = "encode_error"
+EMPTY_PROMPT = "empty_prompt"
+TOO_LONG = "too_long"
+DUPLICATE_PROMPT_ID = "duplicate_prompt_id"
+INVALID_PROMPT_ID = "invalid_prompt_id"
+REASONS = (
+    INVALID_RECORD,
+    TEMPLATE_ERROR,
+    ENCODE_ERROR,
+    EMPTY_PROMPT,
+    TOO_LONG,
+    DUPLICATE_PROMPT_ID,
+    INVALID_PROMPT_ID,
+)
+
+
+# apply_chat_template arguments the stage itself sets; chat_template_kwargs must not.
+FIXED_ARGUMENTS = {"conversation", "tools", "add_generation_prompt", "tokenize", "return_dict"}
+
+
+class TokenizeError(RuntimeError):
+    """A problem that stops the whole category (unsorted input, bad arguments)."""
+
+
+def _detail(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:DETAIL_MAX_CHARS]
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding: (messages JSON, tools JSON) rows -> token ids
+
+
+@dataclass
+class ChunkResult:
+    """Token ids of a chunk, flat: row i owns flat[offsets[i]:offsets[i+1]]; errors by row."""
+
+    flat: np.ndarray  # int32
+    lengths: np.ndarray  # int64, 0 for rows in `errors`
+    errors: dict[int, tuple[str, str]] = field(default_factory=dict)
+
+
+def _apply_chat_template_params() -> set[str]:
+    from transformers import PreTrainedTokenizerBase
+
+    params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    return {name for name, p in params.items() if p.kind is not p.VAR_KEYWORD}
+
+
+class Encoder:
+    """Tokenizes prompt rows with one tokenizer and the configured chat_template_kwargs."""
+
+    def __init__(self, tokenizer, chat_template_kwargs: dict | None = None):
+        self.tokenizer = tokenizer
+        self.kwargs = dict(chat_template_kwargs or {})
+        fixed = set(self.kwargs) & FIXED_ARGUMENTS
+        if fixed:
+            raise TokenizeError(
+                f"tokenizer.chat_template_kwargs may not set {sorted(fixed)}: the stage sets them"
+            )
+        # A kwarg that is one of apply_chat_template's own arguments (sanitize_control_tokens,
+        # ...) changes how it tokenizes; only the generic path honours it exactly.
+        clash = set(self.kwargs) & _apply_chat_template_params()
+        self.fast = bool(getattr(tokenizer, "is_fast", False)) and not clash
+
+    @staticmethod
+    def _parse(messages_json, tools_json):
+        messages = json.loads(messages_json)
+        tools = json.loads(tools_json) if tools_json is not None else None
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages is not a non-empty list")
+        if not all(isinstance(m, dict) for m in messages):
+            raise ValueError("messages holds something other than message objects")
+        if tools is not None and not isinstance(tools, list):
+            raise ValueError("tools is not a list")
+        return messages, tools
+
+    def encode(self, rows: list[tuple[str, str | None]]) -> ChunkResult:
+        errors: dict[int, tuple[str, str]] = {}
+        parsed: list[tuple[int, list, list | None]] = []
+        for i, (messages_json, tools_json) in enumerate(rows):
+            try:
+                messages, tools = self._parse(messages_json, tools_json)
+            except (ValueError, TypeError) as exc:
+                errors[i] = (INVALID_RECORD, _detail(exc))
+                continue
+            parsed.append((i, messages, tools))
+        encoded = (
+            self._encode_fast(parsed, errors) if self.fast else self._encode_generic(parsed, errors)
+        )
+        lengths = np.zeros(len(rows), dtype=np.int64)
+        for i, ids in encoded:
+            lengths[i] = len(ids)
+        flat = np.fromiter(
+            itertools.chain.from_iterable(ids for _, ids in encoded),
+            dtype=np.int32,
+            count=int(lengths.sum()),
+        )
+        return ChunkResult(flat, lengths, errors)
+
+    def _encode_fast(self, parsed, errors):
+        tok = self.tokenizer
+        texts, index = [], []
+        for i, messages, tools in parsed:
+            try:
+                text = tok.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=True, tokenize=False, **self.kwargs
+                )
+                if not isinstance(text, str):
+                    raise TypeError(f"template rendered {type(text).__name__}, not text")
+            except Exception as exc:  # noqa: BLE001 - any template failure rejects one prompt
+                errors[i] = (TEMPLATE_ERROR, _detail(exc))
+                continue
+            texts.append(text)
+            index.append(i)
+        if not texts:
+            return []
+        try:
+            ids = self._batch(texts)
+        except Exception:  # noqa: BLE001 - isolate the prompt that breaks the batch
+            ids = []
+            for i, text in zip(index, texts, strict=True):
+                try:
+                    ids.append(self._batch([text])[0])
+                except Exception as exc:  # noqa: BLE001
+                    errors[i] = (ENCODE_ERROR, _detail(exc))
+                    ids.append(None)
+        return [(i, x) for i, x in zip(index, ids, strict=True) if x is not None]
+
+    def _batch(self, texts: list[str]) -> list[list[int]]:
+        # What apply_chat_template(tokenize=True) calls, on many texts at once.
+        out = self.tokenizer(
+            texts,
+            add_special_tokens=False,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+        )
+        return out["input_ids"]
+
+    def _encode_generic(self, parsed, errors):
+        out = []
+        for i, messages, tools in parsed:
+            try:
+                ids = self.tokenizer.apply_chat_template(
+                    messages,
+                    tools=tools,
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                    **self.kwargs,
+                )
+                ids = [int(x) for x in ids]
+            except Exception as exc:  # noqa: BLE001 - any template failure rejects one prompt
+                errors[i] = (TEMPLATE_ERROR, _detail(exc))
+                continue
+            out.append((i, ids))
+        return out
+
+
+# Worker processes (processes > 1) each hold their own tokenizer.
+_WORKER_ENCODER: Encoder | None = None
+
+
+def _init_worker(tok_cfg: dict, basedir: str) -> None:
+    global _WORKER_ENCODER
+    # The parent's cores are shared between workers: no nested Rust thread pools.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from tokenmill.tokenizer import load_tokenizer
+
+    _WORKER_ENCODER = Encoder(load_tokenizer(tok_cfg, basedir), tok_cfg.get("chat_template_kwargs"))
+
+
+def _worker_encode(rows):
+    assert _WORKER_ENCODER is not None
+    return _WORKER_ENCODER.encode(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shards: buffered rows -> row groups (a rule that depends on the shard's rows only) -> spill
+
+
+class ShardSpill:
+    """One shard's kept rows: buffered, cut into row groups, each spilled to an Arrow IPC file.
+
+    One small file per row group, opened and closed at once: thousands of shards never hold
+    thousands of open files.
+    """
+
+    def __init__(self, spill_dir: Path, shard: int):
+        self._prefix = spill_dir / shards.shard_name(shard)
+        self._files: list[Path] = []
+        self._buffer: list[pa.Table] = []
+        self._rows = 0
+        self._tokens = 0
+        self.kept = 0
+        self.tokens = 0
+        self.records_in = 0
+        self.rejected = 0
+
+    def add(self, table: pa.Table) -> None:
+        self._buffer.append(table)
+        self._rows += table.num_rows
+        self._tokens += int(pc.sum(table["num_prompt_tokens"]).as_py() or 0)
+        self.kept += table.num_rows
+        while self._rows >= contracts.ROW_GROUP_SIZE or self._tokens >= ROW_GROUP_TOKENS:
+            self._flush_one()
+
+    def _flush_one(self) -> None:
+        table = pa.concat_tables(self._buffer).combine_chunks()
+        counts = table["num_prompt_tokens"].to_numpy()
+        cum = np.cumsum(counts, dtype=np.int64)
+        over = np.flatnonzero(cum >= ROW_GROUP_TOKENS)
+        cut = min(contracts.ROW_GROUP_SIZE, int(over[0]) + 1 if len(over) else len(counts))
+        self._write(table.slice(0, cut))
+        rest = table.slice(cut)
+        self._buffer = [rest] if rest.num_rows else []
+        self._rows = rest.num_rows
+        self._tokens = int(cum[-1] - cum[cut - 1])
+
+    def _write(self, table: pa.Table) -> None:
+        self.tokens += int(pc.sum(table["num_prompt_tokens"]).as_py() or 0)
+        path = Path(f"{self._prefix}-{len(self._files):06d}.arrow")
+        options = pa.ipc.IpcWriteOptions(compression="lz4")
+        with (
+            pa.OSFile(str(path), "wb") as sink,
+            pa.ipc.new_file(sink, contracts.TOKENIZED, options=options) as writer,
+        ):
+            writer.write_batch(table.combine_chunks().to_batches()[0])
+        self._files.append(path)
+
+    def finish(self) -> None:
+        if self._rows:
+            self._write(pa.concat_tables(self._buffer))
+        self._buffer = []
+
+    def row_groups(self):
+        """The spilled row groups in order, each as one record batch."""
+        for path in self._files:
+            with pa.memory_map(str(path)) as source:
+                yield pa.ipc.open_file(source).get_batch(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+
+
+@dataclass
+class Summary:
+    category: str
+    fingerprint: str
+    records_in: int = 0
+    kept: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    reasons: collections.Counter = field(default_factory=collections.Counter)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "category": self.category,
+            "tokenizer_fingerprint": self.fingerprint,
+            "records_in": self.records_in,
+            "kept": self.kept,
+            "rejected": self.rejected,
+            "prompt_tokens": self.prompt_tokens,
+            "reasons": dict(sorted(self.reasons.items())),
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def _record_json(messages_json, tools_json) -> str:
+    def load(value):
+        try:
+            return json.loads(value) if value is not None else None
+        except (ValueError, TypeError):
+            return value
+
+    return contracts.canonical_json({"messages": load(messages_json), "tools": load(tools_json)})
+
+
+def _chunk_results(batches, encoder: Encoder | None, workers: int, tok_cfg: dict, basedir):
+    """(batch, ChunkResult) in input order; with workers > 1 a bounded number in flight."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+
+    if workers <= 1:
+        # One thread encodes the next chunk while this one shards and writes the last: the
+        # Rust encoder and the Parquet writer release the GIL, so the cores stay busy.
+        pool, submit, in_flight = ThreadPoolExecutor(max_workers=1), encoder.encode, 2
+    else:
+        # spawn: the parent may hold Rust tokenizer threads, which fork does not survive.
+        pool = ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(tok_cfg, str(basedir)),
+        )
+        submit, in_flight = _worker_encode, 2 * workers
+    with pool:
+        pending: collections.deque = collections.deque()
+        for batch in batches:
+            pending.append((batch, pool.submit(submit, _rows(batch))))
+            if len(pending) >= in_flight:
+                done, fut = pending.popleft()
+                yield done, fut.result()
+        while pending:
+            done, fut = pending.popleft()
+            yield done, fut.result()
+
+
+def _rows(batch: pa.RecordBatch) -> list[tuple[str, str | None]]:
+    return list(
+        zip(batch.column("messages").to_pylist(), batch.column("tools").to_pylist(), strict=True)
+    )
+
+
+def tokenize_category(
+    prompts: str | os.PathLike,
+    category: str,
+    num_shards: int,
+    tok_cfg: dict,
+    max_prompt_tokens: int,
+    out_dir: str | os.PathLike,
+    rejected_path: str | os.PathLike,
+    basedir: str | os.PathLike = ".",
+    workers: int = 1,
+    chunk_rows: int = CHUNK_ROWS,
+    tokenizer=None,
+) -> Summary:
+    """Run the stage end to end; returns the counts. `tokenizer`: an already loaded one."""
+    from tokenmill.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+    if num_shards < 1:
+        raise TokenizeError(f"--shards must be >= 1, got {num_shards}")
+    if max_prompt_tokens < 1:
+        raise TokenizeError(f"--max-prompt-tokens must be >= 1, got {max_prompt_tokens}")
+    start = time.monotonic()
+    if tokenizer is None:
+        tokenizer = load_tokenizer(tok_cfg, basedir)
+    fingerprint, _ = tokenizer_fingerprint(tok_cfg, basedir, tokenizer)
+    encoder = Encoder(tokenizer, tok_cfg.get("chat_template_kwargs"))
+    summary = Summary(category, fingerprint)
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spill_dir = Path(tempfile.mkdtemp(prefix=".tokenize-spill-", dir=out_dir))
+    pf = pq.ParquetFile(prompts)
+    if pf.metadata.num_rows <= chunk_rows:
+        workers = 1  # starting processes costs more than a single chunk
+    common_meta = {
+        contracts.META_TOKENIZER_FINGERPRINT: fingerprint,
+        contracts.META_CATEGORY: category,
+        META_NUM_SHARDS: str(num_shards),
+        META_MAX_PROMPT_TOKENS: str(max_prompt_tokens),
+    }
+    try:
+        spills = [ShardSpill(spill_dir, i) for i in range(num_shards)]
+        rejected_writer = contracts.ParquetWriter(
+            rejected_path, contracts.REJECTED, STAGE, common_meta
+        )
+        with rejected_writer:
+            rejected_rows: list[dict] = []
+            previous: str | None = None
+            batches = pf.iter_batches(
+                batch_size=chunk_rows, columns=["prompt_id", "source", "messages", "tools"]
+            )
+            results = _chunk_results(batches, encoder, workers, tok_cfg, basedir)
+            last_report = time.monotonic()
+            # closing: an error here shuts the encoding pool down at once, not at GC time.
+            with contextlib.closing(results):
+                for batch, result in results:
+                    previous = _route(
+                        batch, result, previous, num_shards, max_prompt_tokens, category,
+                        spills, rejected_rows, summary,
+                    )  # fmt: skip
+                    if len(rejected_rows) >= REJECTED_GROUP_ROWS:
+                        rejected_writer.write(contracts.rejected_table(rejected_rows))
+                        rejected_rows = []
+                    if time.monotonic() - last_report > 30:
+                        last_report = time.monotonic()
+                        print(f"tokenize {category}: {summary.records_in} prompts", flush=True)
+            if rejected_rows or rejected_writer.rows == 0:
+                rejected_writer.write(contracts.rejected_table(rejected_rows))
+        for i, spill in enumerate(spills):
+            spill.finish()
+            meta = dict(common_meta)
+            meta.update(
+                {
+                    contracts.META_SHARD: shards.shard_name(i),
+                    META_RECORDS_IN: str(spill.records_in),
+                    META_KEPT: str(spill.kept),
+                    META_REJECTED: str(spill.rejected),
+                    META_PROMPT_TOKENS: str(spill.tokens),
+                }
+            )
+            writer = contracts.ParquetWriter(
+                shards.shard_path(out_dir, i), contracts.TOKENIZED, STAGE, meta
+            )
+            with writer:
+                for batch in spill.row_groups():
+                    writer.write(batch)
+                if writer.rows == 0:
+                    writer.write(contracts.TOKENIZED.empty_table())
+    finally:
+        shutil.rmtree(spill_dir, ignore_errors=True)
+    summary.seconds = time.monotonic() - start
+    return summary
+
+
+def _route(
+    batch, result, previous, num_shards, max_prompt_tokens, category, spills, rejected, summary
+):
+    """Check order, assign shards, reject, and hand kept rows to their shard. Returns last id."""
+    ids = batch.column("prompt_id").to_pylist()
+    n = len(ids)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(result.lengths, out=offsets[1:])
+    shard_arr = np.full(n, -1, dtype=np.int64)
+    keep = np.zeros(n, dtype=bool)
+    sources = None
+    for i, pid in enumerate(ids):
+        summary.records_in += 1
+        reason = detail = None
+        if previous is not None and pid < previous:
+            raise TokenizeError(
+                f"prompts file is not sorted by prompt_id: '{pid}' after '{previous}' "
+                f"(row {summary.records_in - 1})"
+            )
+        try:
+            shard_arr[i] = shards.shard_of(pid, num_shards)
+        except ValueError as exc:
+            reason, detail = INVALID_PROMPT_ID, str(exc)
+        if shard_arr[i] >= 0:
+            spills[shard_arr[i]].records_in += 1
+        if reason is None and pid == previous:
+            reason, detail = DUPLICATE_PROMPT_ID, "the same prompt_id appears more than once"
+        elif reason is None and i in result.errors:
+            reason, detail = result.errors[i]
+        elif reason is None and result.lengths[i] == 0:
+            reason, detail = EMPTY_PROMPT, "the chat template rendered no tokens"
+        elif reason is None and result.lengths[i] > max_prompt_tokens:
+            reason = TOO_LONG
+            detail = (
+                f"{int(result.lengths[i])} prompt tokens > max_prompt_tokens {max_prompt_tokens}"
+            )
+        previous = pid
+        if reason is None:
+            keep[i] = True
+            continue
+        if sources is None:
+            sources = batch.column("source")
+        summary.rejected += 1
+        summary.reasons[reason] += 1
+        if shard_arr[i] >= 0:
+            spills[shard_arr[i]].rejected += 1
+        rejected.append(
+            {
+                "stage": STAGE,
+                "category": category,
+                "reason": reason,
+                "detail": detail,
+                "source": sources[i].as_py(),
+                "prompt_id": pid,
+                "record": _record_json(
+                    batch.column("messages")[i].as_py(), batch.column("tools")[i].as_py()
+                ),
+            }
+        )
+    kept_idx = np.flatnonzero(keep)
+    if not len(kept_idx):
+        return previous
+    lengths = result.lengths[kept_idx]
+    list_offsets = np.zeros(len(kept_idx) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=list_offsets[1:])
+    if len(kept_idx) == n:
+        values = result.flat
+    else:  # gather the kept rows' ids (rejected rows may own tokens too, e.g. too_long)
+        shift = np.repeat(offsets[kept_idx] - list_offsets[:-1], lengths)
+        values = result.flat[np.arange(int(list_offsets[-1]), dtype=np.int64) + shift]
+    table = pa.table(
+        {
+            "prompt_id": batch.column("prompt_id").take(pa.array(kept_idx)),
+            "prompt_ids": pa.ListArray.from_arrays(
+                pa.array(list_offsets.astype(np.int32)), pa.array(values, type=pa.int32())
+            ),
+            "num_prompt_tokens": pa.array(lengths.astype(np.int32)),
+        },
+        schema=contracts.TOKENIZED,
+    )
+    summary.kept += len(kept_idx)
+    summary.prompt_tokens += int(lengths.sum())
+    kept_shards = shard_arr[kept_idx]
+    order = np.argsort(kept_shards, kind="stable")
+    table = table.take(pa.array(order))
+    sorted_shards = kept_shards[order]
+    bounds = np.flatnonzero(np.diff(sorted_shards)) + 1
+    for lo, hi in zip(
+        np.concatenate([[0], bounds]), np.concatenate([bounds, [len(order)]]), strict=True
+    ):
+        spills[int(sorted_shards[lo])].add(table.slice(int(lo), int(hi - lo)))
+    return previous
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def _json_arg(value: str) -> dict:
+    text = value if value.lstrip().startswith("{") else Path(value).read_text()
+    cfg = json.loads(text)
+    if not isinstance(cfg, dict):
+        raise TokenizeError("--tokenizer-config must be a JSON object (or a file holding one)")
+    return cfg
+
+
+def default_processes(tokenizer, cores: int) -> int:
+    """A fast tokenizer already encodes on every core in one process; a slow one needs more."""
+    return 1 if getattr(tokenizer, "is_fast", False) else max(1, cores)
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tokenmill tokenize", description="prompts of one category -> tokenized shards"
+    )
+    parser.add_argument(
+        "--prompts", required=True, help="prompts Parquet file (sorted by prompt_id)"
+    )
+    parser.add_argument("--category", required=True)
+    parser.add_argument("--shards", type=int, required=True, help="number of shard files")
+    parser.add_argument(
+        "--tokenizer-config", required=True, help="the tokenizer section as JSON (or a JSON file)"
+    )
+    parser.add_argument("--max-prompt-tokens", type=int, required=True)
+    parser.add_argument("--out-dir", required=True, help="writes {out_dir}/000.parquet ...")
+    parser.add_argument("--rejected", required=True, help="rejected rows Parquet file")
+    parser.add_argument("--basedir", default=".", help="tokenizer paths are relative to this")
+    parser.add_argument(
+        "--workers", type=int, default=0, help="cores to use (0: all this process may use)"
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=0,
+        help="encoding processes (0: 1 for a fast tokenizer, --workers for a slow one)",
+    )
+    parser.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        cores = args.workers or available_cores()
+        # Rust's thread pool reads this once, at its first use (after the tokenizer loads).
+        os.environ.setdefault("RAYON_NUM_THREADS", str(cores))
+        from tokenmill.tokenizer import load_tokenizer
+
+        tok_cfg = _json_arg(args.tokenizer_config)
+        tokenizer = load_tokenizer(tok_cfg, args.basedir)
+        workers = args.processes or default_processes(tokenizer, cores)
+        summary = tokenize_category(
+            args.prompts,
+            args.category,
+            args.shards,
+            tok_cfg,
+            args.max_prompt_tokens,
+            args.out_dir,
+            args.rejected,
+            basedir=args.basedir,
+            workers=workers,
+            chunk_rows=args.chunk_rows,
+            tokenizer=tokenizer,
+        )
+    except (TokenizeError, OSError, ValueError) as exc:
+        print(f"tokenmill tokenize: error: {exc}", file=sys.stderr)
+        return 1
+    s = summary
+    rate = s.records_in / s.seconds if s.seconds else 0.0
+    print(
+        f"tokenize {s.category}: {s.records_in} prompts in, {s.kept} kept, {s.rejected} rejected "
+        f"{dict(sorted(s.reasons.items()))}; {s.prompt_tokens} prompt tokens; "
+        f"{args.shards} shards; {s.seconds:.1f} s ({rate:.0f} prompts/s, {cores} cores, "
+        f"{workers} processes); "
+        f"tokenizer fingerprint {s.fingerprint}"
+    )
+    return 0
