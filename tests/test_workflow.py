@@ -229,4 +229,5 @@ def test_reproduce_from_provenance_matches_byte_for_byte(finished_run):
     _edit_one_code_prompt(finished_run)
     refused = snakemake(finished_run, "-n", "--configfile", "repro.yaml")
     assert refused.returncode != 0
-    assert "cannot reproduce" in refused.stderr and "code_sample.jsonl" in refused.stderr
+    said = refused.stdout + refused.stderr
+    assert "cannot reproduce" in said and "code_sample.jsonl" in said, said
