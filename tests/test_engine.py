@@ -164,6 +164,7 @@ def test_default_launcher_is_srun(monkeypatch):
     monkeypatch.delenv("TOKENMILL_LAUNCHER_PREFIX", raising=False)
     assert eng.launcher_prefix(2) == [
         "srun",
+        "--overlap",
         "--nodes=2",
         "--ntasks=2",
         "--ntasks-per-node=1",

@@ -19,6 +19,8 @@ rule generate_shard:
         cpus_per_task=config["generation"]["resources"]["cpus"],
         mem_mb=config["generation"]["resources"]["mem_mb"],
         runtime=generate_runtime,
+        # A multi-node engine (generation.launch.nnodes > 1) needs all its nodes in one job.
+        nodes=config["generation"]["launch"]["nnodes"],
     params:
         generation=generation_json,
         tokenizer=tokenizer_json,

@@ -135,7 +135,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--stats", help="results/stats/summary.json")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    from tokenmill.merge import json_arg
+    from tokenmill.cli import json_arg
 
     summary = json.loads(Path(args.stats).read_text()) if args.stats else None
     text = render(args.results_dir, json_arg(args.config_json), summary)

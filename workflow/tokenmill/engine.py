@@ -98,8 +98,11 @@ def launcher_prefix(nnodes: int) -> list[str]:
     env = os.environ.get("TOKENMILL_LAUNCHER_PREFIX")
     if env:
         return json.loads(env)
+    # --overlap: the rule itself already runs inside an srun step of this job (the jobstep
+    # plugin); without it the engine's step would wait for the CPUs that step holds.
     return [
         "srun",
+        "--overlap",
         f"--nodes={nnodes}",
         f"--ntasks={nnodes}",
         "--ntasks-per-node=1",

@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tokenmill import contracts, engines, journal, keys
+from tokenmill.cli import json_arg
 from tokenmill.client import Client, ClientOptions, EngineDied, GenerationFailed, Item, Stats
 from tokenmill.engine import EngineError, ExternalEngines, ManagedEngine, redact
 
@@ -52,12 +53,7 @@ def parse_args(argv):
 
 
 def _load_section(path: str, name: str) -> dict:
-    # Inline JSON (what the Snakemake rule passes) or a JSON file.
-    if path.lstrip().startswith("{"):
-        obj = json.loads(path)
-    else:
-        with open(path) as f:
-            obj = json.load(f)
+    obj = json_arg(path, f"--{name}-config")
     # Accept the whole config as well as the section itself.
     return obj[name] if isinstance(obj.get(name), dict) else obj
 
@@ -329,7 +325,9 @@ def main(argv: list[str]) -> int:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "slurm": {
-            k: os.environ[k] for k in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST") if k in os.environ
+            k: os.environ[k]
+            for k in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "CUDA_VISIBLE_DEVICES")
+            if k in os.environ
         },  # fmt: skip
     }
     try:

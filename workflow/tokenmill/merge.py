@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokenmill import contracts, keys, validate
+from tokenmill.cli import json_arg
 from tokenmill.validate import REASONS, Rules
 
 BATCH_ROWS = contracts.ROW_GROUP_SIZE
@@ -444,14 +444,6 @@ def _dataset_batch(
             "finish_type": pa.array(finish_np[g], pa.string()),
         }
     )
-
-
-def json_arg(value: str) -> dict:
-    """A JSON object given inline ('{...}') or as a file path."""
-    if value.lstrip().startswith("{"):
-        return json.loads(value)
-    with open(value, encoding="utf-8") as f:
-        return json.load(f)
 
 
 def main(argv: list[str]) -> int:

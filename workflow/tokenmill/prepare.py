@@ -28,6 +28,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from tokenmill import formats
+from tokenmill.cli import json_arg
 from tokenmill.config import load_hook, normalize_source
 from tokenmill.contracts import (
     PROMPTS,
@@ -177,11 +178,10 @@ def write_outputs(category, prompts, rejected_rows, counts, out, rejected_out) -
 
 
 def _load_category_config(value: str) -> dict:
-    text = value if value.lstrip().startswith("{") else Path(value).read_text()
-    cat = json.loads(text)
-    if not isinstance(cat, dict):
-        raise PrepareError("--category-config must be a JSON object")
-    return cat
+    try:
+        return json_arg(value, "--category-config")
+    except ValueError as exc:
+        raise PrepareError(str(exc)) from None
 
 
 def main(argv: list[str]) -> int:

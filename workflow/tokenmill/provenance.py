@@ -432,7 +432,7 @@ def main(argv: list[str]) -> int:
         help="with --compare: exit 0 even when outputs differ (the report says how)",
     )
     args = parser.parse_args(argv)
-    from tokenmill.merge import json_arg
+    from tokenmill.cli import json_arg
 
     tmp = contracts.atomic_path(args.out)
     if args.compare:

@@ -371,7 +371,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config-json", required=True, help="resolved config (file or JSON)")
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args(argv)
-    from tokenmill.merge import json_arg
+    from tokenmill.cli import json_arg
 
     summary, raws = collect(args.results_dir, json_arg(args.config_json))
     out = Path(args.out_dir)

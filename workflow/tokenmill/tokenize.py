@@ -54,6 +54,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokenmill import contracts, shards
+from tokenmill.cli import json_arg
 
 STAGE = "tokenize"
 CHUNK_ROWS = 1024
@@ -579,11 +580,10 @@ def _route(
 
 
 def _json_arg(value: str) -> dict:
-    text = value if value.lstrip().startswith("{") else Path(value).read_text()
-    cfg = json.loads(text)
-    if not isinstance(cfg, dict):
-        raise TokenizeError("--tokenizer-config must be a JSON object (or a file holding one)")
-    return cfg
+    try:
+        return json_arg(value, "--tokenizer-config")
+    except ValueError as exc:
+        raise TokenizeError(str(exc)) from None
 
 
 def default_processes(tokenizer, cores: int) -> int:
