@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokenmill import contracts, engines, journal, keys
@@ -265,7 +266,7 @@ async def run(args, gen: dict, tok_cfg: dict, meta: dict) -> int:
     }
     contracts.write_table(gen_table, args.out, contracts.GENERATED, "generate", file_meta)
     contracts.write_table(rej_table, args.rejected, contracts.REJECTED, "generate", file_meta)
-    out_tokens = int(sum(len(x) for x in gen_table.column("output_ids").to_pylist()))
+    out_tokens = pc.sum(pc.list_value_length(gen_table.column("output_ids"))).as_py() or 0
     counts.update(kept=kept, rejected=rejected, output_tokens=out_tokens)
     counts.setdefault("requested", 0)
     counts.setdefault("restarts", 0)
