@@ -106,7 +106,15 @@ class _RowGroupColumn:
                 col = self.pf.read_row_group(g, columns=[self.column]).column(0)
                 self.cache[g] = col.combine_chunks()
             sel = np.flatnonzero(groups == g)
-            parts.append(self.cache[g].take(pa.array(rows[sel] - self.starts[g])))
+            local = rows[sel] - self.starts[g]
+            # Both inputs are sorted by prompt_id, so rows are usually a contiguous run:
+            # a zero-copy slice instead of a gather.
+            if len(local) and local[-1] - local[0] == len(local) - 1 and (
+                len(local) == 1 or bool(np.all(np.diff(local) == 1))
+            ):
+                parts.append(self.cache[g].slice(int(local[0]), len(local)))
+            else:
+                parts.append(self.cache[g].take(pa.array(local)))
             order.append(sel)
         for g in [g for g, last in self.last_use.items() if last <= batch_no and g in self.cache]:
             del self.cache[g]
