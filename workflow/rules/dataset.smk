@@ -47,12 +47,12 @@ rule summarize_stats:
         summary=report(
             res("stats/summary.json"),
             caption="../report/summary.rst",
-            category="Statistics",
+            category="Dataset statistics",
         ),
         table=report(
             res("stats/summary.md"),
             caption="../report/summary_table.rst",
-            category="Statistics",
+            category="Dataset statistics",
         ),
         plots=report(
             expand(res("stats/length_{metric}_tokens.png"), metric=LENGTH_METRICS),
