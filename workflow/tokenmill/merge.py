@@ -109,10 +109,9 @@ class _RowGroupColumn:
             local = rows[sel] - self.starts[g]
             # Both inputs are sorted by prompt_id, so rows are usually a contiguous run:
             # a zero-copy slice instead of a gather.
-            if len(local) and local[-1] - local[0] == len(local) - 1 and (
-                len(local) == 1 or bool(np.all(np.diff(local) == 1))
-            ):
-                parts.append(self.cache[g].slice(int(local[0]), len(local)))
+            first = int(local[0]) if len(local) else 0
+            if len(local) and np.array_equal(local, np.arange(first, first + len(local))):
+                parts.append(self.cache[g].slice(first, len(local)))
             else:
                 parts.append(self.cache[g].take(pa.array(local)))
             order.append(sel)
