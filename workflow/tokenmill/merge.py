@@ -40,6 +40,7 @@ import argparse
 import hashlib
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -369,8 +370,14 @@ def merge_shard(
     reread_no = {b: i for i, b in enumerate(reread)}
     jsonl_tmp = contracts.atomic_path(jsonl_out) if jsonl_out else None
     try:
-        with contracts.ParquetWriter(out, contracts.DATASET, "merge", meta) as writer:
+        # Encoding and compressing a batch (pyarrow, GIL released) overlaps with building the
+        # next one: one writer thread, batches written strictly in order.
+        with (
+            contracts.ParquetWriter(out, contracts.DATASET, "merge", meta) as writer,
+            ThreadPoolExecutor(max_workers=1) as write_pool,
+        ):
             jsonl_f = open(jsonl_tmp, "w", encoding="utf-8") if jsonl_tmp else None  # noqa: SIM115
+            pending = None
             try:
                 for b in todo:
                     gi, ti = keep_g[b], keep_t[b]
@@ -394,7 +401,9 @@ def merge_shard(
                         category,
                         rules,
                     )
-                    writer.write(table)
+                    if pending is not None:
+                        pending.result()
+                    pending = write_pool.submit(writer.write, table)
                     if jsonl_f:
                         jsonl_f.write(
                             jsonl_lines(
@@ -402,6 +411,8 @@ def merge_shard(
                                 table.column("loss_mask").combine_chunks(),
                             )
                         )
+                if pending is not None:
+                    pending.result()
             finally:
                 if jsonl_f:
                     jsonl_f.close()
