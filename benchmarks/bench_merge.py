@@ -4,8 +4,11 @@
 
 Builds synthetic tokenized and generated shards (token lengths scaled down to fit a small
 machine), then runs, each in its own subprocess so peak RSS is per side:
-  floor : pyarrow reads both inputs of every shard and writes their list columns with the
-          contracts' writer options (zstd 3), i.e. the unavoidable read + compress + write;
+  floor : pyarrow reads both inputs of every shard and writes what the output carries from
+          them (prompt_id, sample_key, finish_type and every token, as prompt_ids and
+          output_ids) with the contracts' writer options (zstd 3): the unavoidable read +
+          compress + write, without the join, the key hashing, the validation, the
+          concatenation and the mask;
   merge : merge.merge_shard on every shard (join, sample keys, every validation rule, two
           passes over the inputs, DATASET output + rejected file);
   merge+jsonl : the same with the JSONL export.
@@ -95,8 +98,16 @@ def run_side(side: str, directory: Path, shards: int) -> dict:
         for s in range(shards):
             tok = pq.read_table(directory / f"tok{s:03d}.parquet")
             gen = pq.read_table(directory / f"gen{s:03d}.parquet")
+            # What the output carries from the inputs: ids, keys, finish and every token
+            # (prompt_ids + output_ids hold exactly the tokens of input_ids).
             table = pa.table(
-                {"prompt_ids": tok.column("prompt_ids"), "output_ids": gen.column("output_ids")}
+                {
+                    "prompt_id": tok.column("prompt_id"),
+                    "sample_key": gen.column("sample_key"),
+                    "finish_type": gen.column("finish_type"),
+                    "prompt_ids": tok.column("prompt_ids"),
+                    "output_ids": gen.column("output_ids"),
+                }
             )
             pq.write_table(
                 table,

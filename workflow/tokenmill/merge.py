@@ -201,6 +201,7 @@ def merge_shard(
     tok = _read_scalar(tokenized, ["prompt_id"])
     gen = _read_scalar(generated, ["prompt_id", "sample_key", "finish_type", "finish_matched_id"])
     tok_pid, gen_pid = tok.column("prompt_id"), gen.column("prompt_id")
+    gen_scalars = gen.select(["prompt_id", "sample_key", "finish_type"]).combine_chunks()
     res.tokenized, res.generated = tok.num_rows, gen.num_rows
     if pc.count_distinct(tok_pid).as_py() != tok.num_rows:
         raise ConservationError(f"{tokenized}: prompt_id is not unique in the tokenized shard")
@@ -395,9 +396,7 @@ def merge_shard(
                         o_off,
                         o_val,
                         gi,
-                        gen_pid_np,
-                        gen_key_np,
-                        finish_np,
+                        gen_scalars,
                         category,
                         rules,
                     )
@@ -433,21 +432,21 @@ def merge_shard(
     return res
 
 
-def _dataset_batch(
-    p_off, p_val, o_off, o_val, g, gen_pid_np, gen_key_np, finish_np, category, rules
-) -> pa.Table:
-    """DATASET rows for generated rows `g` (all valid) and their prompt/output tokens."""
+def _dataset_batch(p_off, p_val, o_off, o_val, g, gen_scalars, category, rules) -> pa.Table:
+    """DATASET rows for generated rows `g` (all valid) and their prompt/output tokens.
+    `gen_scalars` holds the generated shard's prompt_id, sample_key and finish_type columns."""
     off, ids, mask = concat_lists(p_off, p_val, o_off, o_val)
     off32 = pa.array(off.astype(np.int32))
     p_len = np.diff(p_off).astype(np.int32)
     o_len = np.diff(o_off).astype(np.int32)
     reasoning, answer = validate.reasoning_counts(o_val, o_off, rules.think_end_id)
     n = len(g)
+    picked = gen_scalars.take(pa.array(g))
     return pa.table(
         {
-            "prompt_id": pa.array(gen_pid_np[g], pa.string()),
-            "category": pa.array([category] * n, pa.string()),
-            "sample_key": pa.array(gen_key_np[g], pa.string()),
+            "prompt_id": picked.column("prompt_id"),
+            "category": pa.array([category], pa.string()).take(pa.array(np.zeros(n, np.int64))),
+            "sample_key": picked.column("sample_key"),
             "input_ids": pa.ListArray.from_arrays(off32, pa.array(ids, pa.int32())),
             "loss_mask": pa.ListArray.from_arrays(off32, pa.array(mask, pa.int8())),
             "num_prompt_tokens": pa.array(p_len, pa.int32()),
@@ -459,7 +458,7 @@ def _dataset_batch(
                 answer.astype(np.int32) if answer is not None else [None] * n, pa.int32()
             ),
             "num_total_tokens": pa.array(p_len + o_len, pa.int32()),
-            "finish_type": pa.array(finish_np[g], pa.string()),
+            "finish_type": picked.column("finish_type"),
         }
     )
 
