@@ -7,16 +7,12 @@ import glob
 import hashlib
 from pathlib import Path
 
+from tokenmill import tokenizer
 from tokenmill.config import normalize_source
 from tokenmill.contracts import canonical_json
 from tokenmill.keys import generation_fingerprint  # noqa: F401 - re-exported for the Snakefile
-
-# Model weights are not part of a tokenizer: hashing gigabytes at every parse would be wasteful.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
-
-
-def shard_names(count: int) -> list[str]:
-    return [f"{i:03d}" for i in range(count)]
+from tokenmill.shards import shard_names  # noqa: F401 - re-exported for the Snakefile
+from tokenmill.tokenizer import tokenizer_files
 
 
 def local_source_files(category: dict, basedir) -> list[str]:
@@ -36,14 +32,15 @@ def local_source_files(category: dict, basedir) -> list[str]:
 
 
 def tokenizer_params_fingerprint(cfg: dict, basedir) -> str:
-    """Changes when the tokenizer config or any local tokenizer file (not weights) changes."""
+    """The tokenize rule's rerun trigger: the tokenizer config and the sha256 of every local
+    tokenizer file (weights excluded) and of a chat template override. Unlike
+    tokenizer.tokenizer_fingerprint (which shards carry) it does not load the tokenizer, so the
+    workflow parses fast; a hub tokenizer is covered by its id and revision."""
     h = hashlib.sha256(canonical_json(cfg).encode())
     local = Path(basedir) / cfg["path"]
-    paths = sorted(p for p in local.rglob("*") if p.is_file()) if local.is_dir() else []
+    files = tokenizer_files(local) if local.is_dir() else []
     if cfg.get("chat_template"):
-        paths.append(Path(basedir) / cfg["chat_template"])
-    for p in paths:
-        if p.name.endswith(WEIGHT_SUFFIXES):
-            continue
-        h.update(p.name.encode() + b"\0" + hashlib.sha256(p.read_bytes()).digest())
+        template = Path(basedir) / cfg["chat_template"]
+        files.append({"name": "chat_template", "sha256": tokenizer._sha256_file(template)})
+    h.update(canonical_json([[f["name"], f["sha256"]] for f in files]).encode())
     return h.hexdigest()
