@@ -12,6 +12,7 @@ import time
 import fake_sglang
 import pytest
 from tokenmill import engine as eng
+from tokenmill import secrets
 
 
 def _gen(*flags, model="fake/model", **launch):
@@ -91,12 +92,12 @@ def test_redaction():
         "launch_command": "serve --api-key K1 --port 1",
         "nested": [{"db_password": "p"}],
     }
-    out = eng.redact(info, ["K1"])
+    out = secrets.redact(info, ["K1"])
     assert out["api_key"] == out["hf_token"] == out["nested"][0]["db_password"] == "<redacted>"
     assert out["max_total_num_tokens"] == 5 and out["tokenizer_path"] == "t"
     assert "K1" not in json.dumps(out)
     argv = ["serve", "--api-key", "K1", "--admin-api-key=K2", "--x=K1", "--port", "1"]
-    assert eng.redact_argv(argv, ["K1"]) == [
+    assert secrets.redact_argv(argv, ["K1"]) == [
         "serve",
         "--api-key",
         "<redacted>",

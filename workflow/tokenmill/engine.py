@@ -35,7 +35,7 @@ import aiohttp
 
 from tokenmill import engines
 from tokenmill.engines import EngineAPI
-from tokenmill.secrets import REDACTED, redact, redact_argv  # noqa: F401
+from tokenmill.secrets import redact, redact_argv
 
 DIST_PORT_OFFSET = 1000  # dist_init_addr port = HTTP port + this (both picked per launch)
 

@@ -32,7 +32,8 @@ import pyarrow.parquet as pq
 from tokenmill import contracts, engines, journal, keys
 from tokenmill.cli import json_arg
 from tokenmill.client import Client, ClientOptions, EngineDied, GenerationFailed, Item, Stats
-from tokenmill.engine import EngineError, ExternalEngines, ManagedEngine, redact
+from tokenmill.engine import EngineError, ExternalEngines, ManagedEngine
+from tokenmill.secrets import redact
 
 log = logging.getLogger("tokenmill.generate")
 

@@ -59,7 +59,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from tokenmill import contracts, keys
-from tokenmill.secrets import REDACTED, redact  # noqa: F401
+from tokenmill.secrets import REDACTED, redact
 
 SCHEMA = "tokenmill.provenance/1"
 PACKAGES = (
