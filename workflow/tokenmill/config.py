@@ -6,7 +6,6 @@ Used by the Snakefile (so a bad config fails before any job starts) and by every
 
 from __future__ import annotations
 
-import glob
 import importlib
 import json
 import sys
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import jsonschema
 import yaml
+
+from tokenmill.sources import SourceError, expand_paths
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 
@@ -92,8 +93,11 @@ def check_semantics(config: dict, basedir: str | Path = ".") -> None:
         for i, src in enumerate(cat["sources"]):
             spec = normalize_source(src, cat)
             key = f"categories.{name}.sources.{i}"
-            if "path" in spec and not glob.glob(str(base / spec["path"])):
-                problems.append(f"config key '{key}': no file matches '{spec['path']}'")
+            if "path" in spec:
+                try:
+                    expand_paths(spec["path"], base)  # what prepare will read
+                except SourceError:
+                    problems.append(f"config key '{key}': no file matches '{spec['path']}'")
         fmt_formats = {normalize_source(s, cat)["format"] for s in cat["sources"]}
         if "hook" in fmt_formats:
             hook = cat.get("hook")

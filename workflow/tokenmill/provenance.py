@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import hashlib
 import json
 import os
@@ -60,6 +59,7 @@ import pyarrow.parquet as pq
 
 from tokenmill import contracts, keys
 from tokenmill.secrets import REDACTED, redact
+from tokenmill.sources import expand_paths
 
 SCHEMA = "tokenmill.provenance/1"
 PACKAGES = (
@@ -123,7 +123,8 @@ def _inputs(config: dict, basedir: Path) -> dict:
                     }
                 )
                 continue
-            for f in sorted(glob.glob(str(basedir / s["path"]))):
+            # The same expansion prepare reads (recursive globs, files only).
+            for _, f in expand_paths(s["path"], basedir):
                 e = file_entry(f, basedir)
                 e["kind"] = "file"
                 entries.append(e)

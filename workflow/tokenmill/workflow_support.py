@@ -3,7 +3,6 @@ imports here, because Snakemake parses the workflow in every job it starts."""
 
 from __future__ import annotations
 
-import glob
 import hashlib
 from pathlib import Path
 
@@ -12,22 +11,17 @@ from tokenmill.config import normalize_source
 from tokenmill.contracts import canonical_json
 from tokenmill.keys import generation_fingerprint  # noqa: F401 - re-exported for the Snakefile
 from tokenmill.shards import shard_names  # noqa: F401 - re-exported for the Snakefile
+from tokenmill.sources import expand_paths
 from tokenmill.tokenizer import tokenizer_files
 
 
 def local_source_files(category: dict, basedir) -> list[str]:
+    """The files prepare will read (same expansion), as the rule's inputs."""
     files: list[str] = []
     for src in category["sources"]:
         spec = normalize_source(src, category)
         if "path" in spec:
-            pattern = spec["path"]
-            root = Path(basedir)
-            matches = sorted(glob.glob(str(root / pattern)))
-            # Keep paths relative to the working directory when the pattern was relative.
-            files += [
-                str(Path(m).relative_to(root)) if not Path(pattern).is_absolute() else m
-                for m in matches
-            ]
+            files += [shown for shown, _ in expand_paths(spec["path"], basedir)]
     return files
 
 
