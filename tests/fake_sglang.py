@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 SAMPLING_KEYS = {
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
@@ -46,6 +47,16 @@ def fake_output(input_ids: list[int], max_new: int, stop_ids: list[int]) -> tupl
     body = body[:max_new]
     return body, {"type": "length", "length": max_new}
 
+
+
+def _hold_limit(path: str | None) -> int | None:
+    """N from the hold file: requests after the Nth wait while it says so (no file: none)."""
+    if not path:
+        return None
+    try:
+        return int(Path(path).read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
 
 class Fake:
     def __init__(self, args):
@@ -137,6 +148,8 @@ class Fake:
                          "param": None, "code": 400}  # fmt: skip
         if a.latency:
             await asyncio.sleep(a.latency)
+        while (limit := _hold_limit(a.hold_file)) is not None and n > limit:
+            await asyncio.sleep(0.02)  # held: a kill test's interruption lands mid-shard
         max_new = sp.get("max_new_tokens", 128)
         out, finish = fake_output(ids, max_new, sp.get("stop_token_ids") or [])
         if n <= a.abort_first:
@@ -320,6 +333,7 @@ def parse_args(argv):
     p.add_argument("--abort-first", type=int, default=0, help="first N: finish_reason abort")
     p.add_argument("--exit-first", type=int, default=0, help="die on each of the first N")
     p.add_argument("--die-after", type=int, default=0, help="die on request N+1")
+    p.add_argument("--hold-file", help="holds an int N: requests after the Nth are held")
     p.add_argument("--die-marker", help="die only once: skip dying if this file exists")
     p.add_argument("--reject-first-token", type=int, action="append", default=[],
                    help="400 for prompts whose first token is this")  # fmt: skip

@@ -10,6 +10,11 @@ Requests are counted from the server's OWN access log (one line per served reque
 engine start in engine.log), never from our client: after the kills, the servers together
 answered exactly the samples missing from the journal. Greedy outputs of the interrupted runs
 equal the clean run's; a "stop" finish ends with the stop token.
+
+Each engine runs behind tests/gate_proxy.py, a pass-through proxy that holds generation requests
+past a count the test sets. Without it the kills raced the engine: vLLM answers ~50 requests/s
+here, and on a loaded CI machine the whole shard once finished between the journal poll and the
+SIGKILL. With the gate the journal stops at an exact count, so the kills land mid-shard.
 """
 
 from __future__ import annotations
@@ -39,12 +44,14 @@ N_PROMPTS = 40
 ENGINES = {
     "sglang": {
         "post": "POST /generate HTTP/1.1",
+        "path": "/generate",
         "command": ["{python}", "-m", "tokenmill", "serve-reference", "--model-path", "{model}"]
         + ["--skip-tokenizer-init", "--log-requests", "--host", "{host}", "--port", "{port}"],
         "env": {},
     },
     "vllm": {
         "post": "POST /v1/completions HTTP/1.1",
+        "path": "/v1/completions",
         "command": ["VLLM_PYTHON", "-m", "vllm.entrypoints.openai.api_server"]
         + ["--model", "{model}", "--host", "{host}", "--port", "{port}"]
         + ["--dtype", "float32", "--max-model-len", "2048"],
@@ -106,7 +113,13 @@ class Stage:
             contracts.TOKENIZED,
             "tokenize",
         )
-        command = [vpy if a == "VLLM_PYTHON" else a for a in self.spec["command"]]
+        engine_cmd = [vpy if a == "VLLM_PYTHON" else a for a in self.spec["command"]]
+        engine_cmd = ["@INNER_PORT@" if a == "{port}" else a for a in engine_cmd]
+        # One gate for the test's stages: the launch command is part of the sample key.
+        self.gate = root.parent / "gate"
+        command = [sys.executable, str(REPO / "tests" / "gate_proxy.py"), "--port", "{port}"]
+        command += ["--gate-file", str(self.gate), "--gate-path", self.spec["path"], "--"]
+        command += engine_cmd
         self.gen = {
             "engine": engine,
             "mode": "managed",
@@ -162,6 +175,13 @@ class Stage:
         eng = self.root / "logs" / "engine.log"
         elines = eng.read_text(errors="replace").splitlines()[-n:] if eng.exists() else []
         return "\n".join(["--- stage.log", *lines, "--- engine.log", *elines])
+
+    def hold_after(self, n: int | None) -> None:
+        """Let the next engine start answer n generation requests, then hold the rest."""
+        if n is None:
+            self.gate.unlink(missing_ok=True)
+        else:
+            self.gate.write_text(str(n))
 
     def journaled(self) -> int:
         d = self.root / "journal" / "chat"
@@ -252,8 +272,9 @@ def test_generate_kill_resume_against_real_engine(engine, tmp_path, model_dir, s
         assert m["server_info"]["version"] == "0.32.0"
         assert m["model_info"]["model_path"] == str(model_dir)
 
-    # 2. the client is SIGKILLed mid-shard; its engine goes down with it
+    # 2. the client is SIGKILLed mid-shard (8 answered, the 9th held); its engine goes with it
     st = make("killed")
+    st.hold_after(8)
     p = st.start()
     try:
         _wait_for(lambda: st.journaled() >= 8, 600, "8 journaled samples", st)
@@ -266,15 +287,18 @@ def test_generate_kill_resume_against_real_engine(engine, tmp_path, model_dir, s
     finally:
         _kill_tree(p)
     done_a = st.journaled()
-    assert 8 <= done_a < N_PROMPTS
+    assert done_a == 8, st.tail()
+    assert st.served_per_start() == [8]
 
-    # 3. the rerun; its server is SIGKILLed mid-shard (the whole process group: a crash) and the
-    # stage restarts it
+    # 3. the rerun; its server is SIGKILLed mid-shard (the whole process group: a crash; 5
+    # answered, the 6th held) and the stage restarts it, ungated
+    st.hold_after(5)
     p = st.start()
     try:
         _wait_for(lambda: st.journaled() >= done_a + 5, 600, "5 more samples", st)
         eng = _engine_proc(p)
         os.killpg(eng.pid, signal.SIGKILL)
+        st.hold_after(None)  # long before the restarted engine is ready (a start takes seconds)
         rc = p.wait(timeout=900)
     finally:
         _kill_tree(p)
@@ -286,6 +310,7 @@ def test_generate_kill_resume_against_real_engine(engine, tmp_path, model_dir, s
     assert m["counts"]["from_journal"] == done_a
 
     served = st.served_per_start()
+    assert served[:2] == [8, 5], served
     assert len(served) == 3, served
     # The servers of the rerun answered exactly the samples the journal was missing...
     assert served[1] + served[2] == N_PROMPTS - done_a, (served, done_a)

@@ -165,7 +165,9 @@ def test_complete_shard_then_rerun_starts_no_engine_and_is_identical(tmp_path):
 
 
 def test_sigkill_client_mid_shard_then_resume(tmp_path):
-    r = Run(tmp_path, "--latency", "0.1", n=60)
+    hold = tmp_path / "hold"
+    hold.write_text("12")  # 12 answered, the rest held: the kill lands mid-shard on any machine
+    r = Run(tmp_path, "--latency", "0.05", "--hold-file", str(hold), n=60)
     p = r.start()
     _wait_for(lambda: r.journaled() >= 12)
     p.kill()
@@ -175,7 +177,8 @@ def test_sigkill_client_mid_shard_then_resume(tmp_path):
     _wait_for(lambda: not _alive(pid), timeout=10)
     done = r.journaled()
     before = r.requests()
-    assert 12 <= done < 60
+    assert done == 12
+    hold.unlink()
     r.run()
     assert r.requests() - before == 60 - done  # only the missing samples
     _complete(r, 60)
@@ -183,7 +186,9 @@ def test_sigkill_client_mid_shard_then_resume(tmp_path):
 
 
 def test_sigterm_client_flushes_journal_stops_engine(tmp_path):
-    r = Run(tmp_path, "--latency", "0.1", n=60)
+    hold = tmp_path / "hold"
+    hold.write_text("8")
+    r = Run(tmp_path, "--latency", "0.05", "--hold-file", str(hold), n=60)
     p = r.start()
     _wait_for(lambda: r.journaled() >= 8)
     p.send_signal(signal.SIGTERM)
@@ -194,7 +199,9 @@ def test_sigterm_client_flushes_journal_stops_engine(tmp_path):
     assert not _alive(pid)
     assert not r.out["g.parquet"].exists() and not r.out["m.json"].exists()
     done = r.journaled()
+    assert done == 8
     before = r.requests()
+    hold.unlink()
     r.run()
     assert r.requests() - before == 60 - done
     _complete(r, 60)

@@ -1,0 +1,126 @@
+"""A pass-through HTTP proxy in front of a real engine that can hold generation requests.
+
+Why: the kill tests must interrupt a shard *mid-way*. Polling the journal and then sending a
+signal is a race: vLLM on CPU answers ~50 requests/s, so on a loaded 2-core machine the whole
+shard can finish between the poll and the kill (CI saw exactly that). With this proxy the test
+sets how many generation requests pass; the next one is held (never reaches the engine) until the
+gate file is removed or raised. The journal then stops at an exact count, and the kill lands
+mid-shard however slow the test process is scheduled.
+
+Usage (as the launch command tokenmill runs):
+    python tests/gate_proxy.py --port {port} --gate-file F --gate-path /generate \
+        -- <engine argv, with @INNER_PORT@ where the engine's own port goes>
+
+The gate file holds an integer N: this proxy (one per engine start) forwards N gated requests,
+then holds the rest while the file holds N. No file: everything passes. The engine runs as our
+child with PDEATHSIG=SIGTERM, so killing the proxy (or its process group) takes the engine with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pdeathsig():
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _allowed(gate_file: Path) -> int | None:
+    try:
+        return int(gate_file.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--gate-file", type=Path, required=True)
+    ap.add_argument("--gate-path", required=True)
+    ap.add_argument("engine", nargs=argparse.REMAINDER)
+    args = ap.parse_args(argv)
+    engine_argv = [a for a in args.engine if a != "--"]
+    inner = _free_port()
+    engine_argv = [a.replace("@INNER_PORT@", str(inner)) for a in engine_argv]
+    engine = subprocess.Popen(engine_argv, preexec_fn=_pdeathsig)
+    upstream = f"http://127.0.0.1:{inner}"
+    forwarded = 0
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        nonlocal forwarded
+        if request.method == "POST" and request.path == args.gate_path:
+            while (n := _allowed(args.gate_file)) is not None and forwarded >= n:
+                await asyncio.sleep(0.05)
+            forwarded += 1
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        session: aiohttp.ClientSession = request.app["session"]
+        try:
+            async with session.request(
+                request.method, upstream + request.path_qs, data=body, headers=headers
+            ) as r:
+                payload = await r.read()
+                out = {k: v for k, v in r.headers.items() if k.lower() not in HOP_HEADERS}
+                return web.Response(status=r.status, body=payload, headers=out)
+        except aiohttp.ClientConnectionError:
+            return web.Response(status=502, text="engine not reachable")
+
+    async def on_startup(app):
+        app["session"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+
+    async def on_cleanup(app):
+        await app["session"].close()
+
+    async def watch_engine(app):
+        # The proxy lives exactly as long as its engine: an engine that exits ends the proxy.
+        async def watch():
+            while engine.poll() is None:
+                await asyncio.sleep(0.2)
+            print(f"gate_proxy: engine exited with {engine.returncode}", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)  # run_app turns it into a graceful exit
+
+        task = asyncio.create_task(watch())
+        yield
+        task.cancel()
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    app.cleanup_ctx.append(watch_engine)
+    try:
+        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    finally:
+        if engine.poll() is None:
+            engine.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                engine.wait(timeout=30)
+            if engine.poll() is None:
+                engine.kill()
+    return engine.returncode or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
