@@ -48,7 +48,6 @@ def fake_output(input_ids: list[int], max_new: int, stop_ids: list[int]) -> tupl
     return body, {"type": "length", "length": max_new}
 
 
-
 def _hold_limit(path: str | None) -> int | None:
     """N from the hold file: requests after the Nth wait while it says so (no file: none)."""
     if not path:
@@ -57,6 +56,7 @@ def _hold_limit(path: str | None) -> int | None:
         return int(Path(path).read_text().strip())
     except (FileNotFoundError, ValueError):
         return None
+
 
 class Fake:
     def __init__(self, args):
