@@ -99,27 +99,30 @@ def main(argv: list[str] | None = None) -> int:
             while engine.poll() is None:
                 await asyncio.sleep(0.2)
             print(f"gate_proxy: engine exited with {engine.returncode}", flush=True)
-            os.kill(os.getpid(), signal.SIGTERM)  # run_app turns it into a graceful exit
+            os._exit(engine.returncode or 1)
 
         task = asyncio.create_task(watch())
         yield
         task.cancel()
 
+    def on_signal(signum, _frame):
+        # Exit at once, like an engine would; a graceful aiohttp shutdown would wait up to a
+        # minute for a held request. The engine gets SIGTERM here and again from PDEATHSIG.
+        if engine.poll() is None:
+            engine.terminate()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", handle)
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     app.cleanup_ctx.append(watch_engine)
-    try:
-        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
-    finally:
-        if engine.poll() is None:
-            engine.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                engine.wait(timeout=30)
-            if engine.poll() is None:
-                engine.kill()
-    return engine.returncode or 0
+    web.run_app(
+        app, host=args.host, port=args.port, print=None, access_log=None, handle_signals=False
+    )
+    return 0
 
 
 if __name__ == "__main__":
