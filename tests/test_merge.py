@@ -270,25 +270,39 @@ def test_deterministic_bytes_and_streaming_across_row_groups(tmp_path, monkeypat
     rng = np.random.default_rng(0)
     prompts = {f"p{i:03d}": rng.integers(5, 20, rng.integers(1, 5)).tolist() for i in range(50)}
     gens = [gen_row(p, ids, rng.integers(5, 20, 3).tolist() + [2]) for p, ids in prompts.items()]
+    truncated = sorted(prompts)[3::9]  # rejected rows inside batches: kept rows are filtered
+    for g in gens:
+        if g["prompt_id"] in truncated:
+            g["finish_type"], g["finish_matched_id"] = "length", None
     rng.shuffle(gens)  # generated rows arrive in completion order
-    _, out1, rej1 = run_merge(tmp_path / "one", prompts, gens, jsonl=True)
+    res1, out1, rej1 = run_merge(tmp_path / "one", prompts, gens, jsonl=True)
+    assert res1.reasons == {"truncated": len(truncated)} and res1.kept == 50 - len(truncated)
     # Same data, inputs split in many small row groups, small batches: same bytes.
     d = tmp_path / "two"
     d.mkdir()
     monkeypatch.setattr(merge, "BATCH_ROWS", 7)
-    monkeypatch.setattr(merge, "KEEP_IN_MEMORY_BYTES", 0)  # pass 2 reads the inputs again
     monkeypatch.setattr(contracts, "ROW_GROUP_SIZE", 4)
     _, out2, rej2 = run_merge(d, prompts, gens, jsonl=True)
     monkeypatch.undo()
     t1, t2 = pq.read_table(out1), pq.read_table(out2)
-    assert t1.equals(t2) and t1.num_rows == 50
+    assert t1.equals(t2) and t1.num_rows == 50 - len(truncated)
+    assert pq.read_table(rej1).equals(pq.read_table(rej2))
+    assert (tmp_path / "one/export/000.jsonl").read_bytes() == (d / "export/000.jsonl").read_bytes()
     assert pq.ParquetFile(d / "gen.parquet").num_row_groups > 5
-    assert t1.column("prompt_id").to_pylist() == sorted(prompts)
+    kept = [p for p in sorted(prompts) if p not in truncated]
+    assert t1.column("prompt_id").to_pylist() == kept
     expected = [
-        prompts[p] + next(g["output_ids"] for g in gens if g["prompt_id"] == p)
-        for p in sorted(prompts)
+        prompts[p] + next(g["output_ids"] for g in gens if g["prompt_id"] == p) for p in kept
     ]
     assert t1.column("input_ids").to_pylist() == expected
+    masks = [
+        [0] * len(prompts[p]) + [1] * (len(ids) - len(prompts[p]))
+        for p, ids in zip(kept, expected, strict=True)
+    ]
+    assert t1.column("loss_mask").to_pylist() == masks
+    meta = contracts.read_metadata(out1)
+    assert meta["tokenmill.records_kept"] == str(50 - len(truncated))
+    assert meta["tokenmill.records_rejected"] == str(len(truncated))
     # Rerun with identical inputs: byte-identical outputs.
     _, out3, rej3 = run_merge(tmp_path / "one", prompts, gens, jsonl=True)
     assert out3.read_bytes() == out1.read_bytes() and rej3.read_bytes() == rej1.read_bytes()

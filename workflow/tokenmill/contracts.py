@@ -130,7 +130,9 @@ def with_metadata(schema: pa.Schema, stage: str, extra: Mapping[str, str] | None
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
-    meta = pq.read_schema(path).metadata or {}
+    """The tokenmill.* entries of a file's key-value metadata: those the schema carried when
+    the writer opened plus those it added at close (ParquetWriter.add_metadata)."""
+    meta = pq.read_metadata(path).metadata or {}
     return {k.decode(): v.decode() for k, v in meta.items() if k.startswith(b"tokenmill.")}
 
 
@@ -181,6 +183,10 @@ class ParquetWriter:
         data = data.replace_schema_metadata(self.schema.metadata)
         self._writer.write_table(data, row_group_size=ROW_GROUP_SIZE)
         self.rows += data.num_rows
+
+    def add_metadata(self, metadata: Mapping[str, object]) -> None:
+        """Key-value metadata known only after the last batch (counts); written at close."""
+        self._writer.add_key_value_metadata({k: str(v) for k, v in metadata.items()})
 
     def close(self) -> None:
         self._writer.close()

@@ -18,17 +18,18 @@ shard). Conservation, checked on every run (the command fails with the counts ot
     tokenized prompts = dataset rows + distinct tokenized prompts rejected by merge
                         + prompts rejected by generate (--generate-rejected)
 
-File metadata: tokenmill.records_in (generated rows + not_generated prompts, i.e. everything
-merge accounts for), records_kept, records_rejected (in = kept + rejected), tokenmill.not_generated,
-tokenmill.generate_rejected, tokenmill.tokenized_rows, and the tokenizer and generation
-fingerprints carried over from the input shards.
+File key-value metadata (the counts are added at close; read them with
+contracts.read_metadata): tokenmill.records_in (generated rows + not_generated prompts, i.e.
+everything merge accounts for), records_kept, records_rejected (in = kept + rejected),
+tokenmill.not_generated, tokenmill.generate_rejected, tokenmill.tokenized_rows, and the tokenizer
+and generation fingerprints carried over from the input shards.
 
 JSONL export (--jsonl-out, results/export/{category}/{shard}.jsonl): one line per dataset row,
 same order, `{"input_ids":[...],"loss_mask":[...]}` -- the pre-tokenized format read by
 SpecForge and vLLM speculators (input_ids: prompt + response token ids; loss_mask: 1 where the
 drafter is trained, i.e. on the response).
 
-Everything is vectorized over flattened token arrays and streamed in batches of
+Everything is vectorized over flattened token arrays and streamed in one pass, in batches of
 contracts.ROW_GROUP_SIZE rows: input row groups are read when a batch first needs them and
 dropped after the last batch that needs them, so memory stays at a few row groups when the
 inputs are sorted by prompt_id (as every stage writes them), whatever the shard size.
@@ -54,9 +55,6 @@ from tokenmill.cli import json_arg
 from tokenmill.validate import REASONS, Rules
 
 BATCH_ROWS = contracts.ROW_GROUP_SIZE
-# Up to this many token bytes of a shard stay in memory between the two passes; larger shards
-# are read again in pass 2 (memory stays bounded by a few row groups).
-KEEP_IN_MEMORY_BYTES = 256 << 20
 META_RECORDS_IN = "tokenmill.records_in"
 META_RECORDS_KEPT = "tokenmill.records_kept"
 META_RECORDS_REJECTED = "tokenmill.records_rejected"
@@ -182,7 +180,9 @@ def jsonl_lines(input_ids: pa.ListArray, loss_mask: pa.ListArray) -> str:
 
 
 def _read_scalar(path, columns) -> pa.Table:
-    return pq.read_table(path, columns=columns, memory_map=True)
+    # ParquetFile.read, not pq.read_table: the latter imports pyarrow.dataset and pandas
+    # (~0.2 s of every merge job).
+    return pq.ParquetFile(path, memory_map=True).read(columns=columns)
 
 
 def merge_shard(
@@ -282,68 +282,10 @@ def merge_shard(
     batches_g = [cand[i : i + BATCH_ROWS] for i in range(0, len(cand), BATCH_ROWS)]
     batches_t = [tidx[b] for b in batches_g]
 
-    # Pass 1: validate every candidate. The counts must be known before the output is opened
-    # (they go in the schema metadata, which contracts.read_metadata reads), so the kept rows
-    # are built in pass 2; only one reason code per row is kept in between.
-    reason_counts = np.zeros(len(REASONS), dtype=np.int64)
-    batch_reasons: list[np.ndarray] = []
-    held, held_batches = 0, {}
-    prompts_col = _RowGroupColumn(tokenized, "prompt_ids", batches_t)
-    outputs_col = _RowGroupColumn(generated, "output_ids", batches_g)
-    for b, (gi, ti) in enumerate(zip(batches_g, batches_t, strict=True)):
-        p_off, p_val = list_parts(p_arr := prompts_col.take(ti, b))
-        o_off, o_val = list_parts(o_arr := outputs_col.take(gi, b))
-        keys_np = gen_key_np[gi]
-        expected = sample_keys(generation_fp, p_off, p_val)
-        reason = validate.validate(
-            rules, p_val, p_off, o_val, o_off, finish_np[gi], expected == keys_np, dup[gi]
-        )
-        batch_reasons.append(reason)
-        # Small shards keep their batches for pass 2 instead of reading the inputs again.
-        size = p_val.nbytes + o_val.nbytes
-        if held + size <= KEEP_IN_MEMORY_BYTES:
-            held += size
-            held_batches[b] = (p_arr, o_arr)
-        reason_counts += np.bincount(reason[reason >= 0], minlength=len(REASONS))
-        p_len, o_len = np.diff(p_off), np.diff(o_off)
-        for i in np.flatnonzero(reason >= 0):
-            code = REASONS[reason[i]]
-            g = gi[i]
-            ctx = {
-                "count": int(per_prompt[tidx[g]]),
-                "got": keys_np[i],
-                "expected": expected[i],
-                "output": int(o_len[i]),
-                "vocab": rules.vocab_size,
-                "last": int(o_val[o_off[i + 1] - 1]) if o_len[i] else None,
-                "stops": list(rules.stop_ids),
-                "think": rules.think_end_id,
-                "total": int(p_len[i] + o_len[i]),
-                "limit": rules.max_sequence_tokens,
-            }
-            record = gen_record(g, num_prompt_tokens=int(p_len[i]), num_output_tokens=int(o_len[i]))
-            reject(code, gen_pid_np[g], validate.describe(code, **ctx), record)
-        res.kept += int((reason < 0).sum())
-    del prompts_col, outputs_col
-
-    res.reasons = {REASONS[i]: int(c) for i, c in enumerate(reason_counts) if c}
-    for r in rejected_rows:
-        if r["reason"] in validate.JOIN_REASONS:
-            res.reasons[r["reason"]] = res.reasons.get(r["reason"], 0) + 1
-    res.rejected = len(rejected_rows)
-
-    # Conservation over tokenized prompts (see the module docstring); nothing is written
-    # when it fails.
-    rej_tok_prompts = {r["prompt_id"] for r in rejected_rows if r["reason"] != "unknown_prompt_id"}
-    accounted = res.kept + len(rej_tok_prompts) + res.generate_rejected
-    if accounted != res.tokenized:
-        raise ConservationError(
-            f"merge {category}/{shard}: counts do not add up: tokenized={res.tokenized} != "
-            f"dataset={res.kept} + merge_rejected_prompts={len(rej_tok_prompts)} + "
-            f"generate_rejected={res.generate_rejected} (= {accounted}); "
-            f"generated rows={res.generated}"
-        )
-
+    # One pass: every batch is read once, validated, and its kept rows built and handed to a
+    # writer thread (pyarrow encodes and compresses with the GIL released), which overlaps with
+    # the next batch. The counts are only known at the end: they go into the file's key-value
+    # metadata at close, and a conservation failure aborts the writer, so no output appears.
     tok_meta = contracts.read_metadata(tokenized)
     gen_meta = contracts.read_metadata(generated)
     meta = {
@@ -352,28 +294,14 @@ def merge_shard(
         contracts.META_GENERATION_FINGERPRINT: gen_meta.get(
             contracts.META_GENERATION_FINGERPRINT, generation_fp
         ),
-        META_RECORDS_IN: res.generated + res.not_generated,
-        META_RECORDS_KEPT: res.kept,
-        META_RECORDS_REJECTED: res.rejected,
-        "tokenmill.not_generated": res.not_generated,
-        "tokenmill.generate_rejected": res.generate_rejected,
-        "tokenmill.tokenized_rows": res.tokenized,
     }
     if contracts.META_TOKENIZER_FINGERPRINT in tok_meta:
         meta[contracts.META_TOKENIZER_FINGERPRINT] = tok_meta[contracts.META_TOKENIZER_FINGERPRINT]
-
-    # Pass 2: build and write the kept rows, batch by batch.
-    todo = [b for b, r in enumerate(batch_reasons) if (r < 0).any()]
-    reread = [b for b in todo if b not in held_batches]
-    keep_g = {b: batches_g[b][batch_reasons[b] < 0] for b in todo}
-    keep_t = {b: tidx[keep_g[b]] for b in todo}
-    prompts_col = _RowGroupColumn(tokenized, "prompt_ids", [keep_t[b] for b in reread])
-    outputs_col = _RowGroupColumn(generated, "output_ids", [keep_g[b] for b in reread])
-    reread_no = {b: i for i, b in enumerate(reread)}
+    reason_counts = np.zeros(len(REASONS), dtype=np.int64)
+    prompts_col = _RowGroupColumn(tokenized, "prompt_ids", batches_t)
+    outputs_col = _RowGroupColumn(generated, "output_ids", batches_g)
     jsonl_tmp = contracts.atomic_path(jsonl_out) if jsonl_out else None
     try:
-        # Encoding and compressing a batch (pyarrow, GIL released) overlaps with building the
-        # next one: one writer thread, batches written strictly in order.
         with (
             contracts.ParquetWriter(out, contracts.DATASET, "merge", meta) as writer,
             ThreadPoolExecutor(max_workers=1) as write_pool,
@@ -381,25 +309,47 @@ def merge_shard(
             jsonl_f = open(jsonl_tmp, "w", encoding="utf-8") if jsonl_tmp else None  # noqa: SIM115
             pending = None
             try:
-                for b in todo:
-                    gi, ti = keep_g[b], keep_t[b]
-                    if b in held_batches:
-                        mask = pa.array(batch_reasons[b] < 0)
-                        p_arr, o_arr = (a.filter(mask) for a in held_batches.pop(b))
-                    else:
-                        p_arr = prompts_col.take(ti, reread_no[b])
-                        o_arr = outputs_col.take(gi, reread_no[b])
+                for b, (gi, ti) in enumerate(zip(batches_g, batches_t, strict=True)):
+                    p_arr, o_arr = prompts_col.take(ti, b), outputs_col.take(gi, b)
                     p_off, p_val = list_parts(p_arr)
                     o_off, o_val = list_parts(o_arr)
+                    keys_np = gen_key_np[gi]
+                    expected = sample_keys(generation_fp, p_off, p_val)
+                    reason = validate.validate(
+                        rules, p_val, p_off, o_val, o_off, finish_np[gi], expected == keys_np,
+                        dup[gi],
+                    )  # fmt: skip
+                    reason_counts += np.bincount(reason[reason >= 0], minlength=len(REASONS))
+                    p_len, o_len = np.diff(p_off), np.diff(o_off)
+                    for i in np.flatnonzero(reason >= 0):
+                        code = REASONS[reason[i]]
+                        g = gi[i]
+                        ctx = {
+                            "count": int(per_prompt[tidx[g]]),
+                            "got": keys_np[i],
+                            "expected": expected[i],
+                            "output": int(o_len[i]),
+                            "vocab": rules.vocab_size,
+                            "last": int(o_val[o_off[i + 1] - 1]) if o_len[i] else None,
+                            "stops": list(rules.stop_ids),
+                            "think": rules.think_end_id,
+                            "total": int(p_len[i] + o_len[i]),
+                            "limit": rules.max_sequence_tokens,
+                        }
+                        record = gen_record(
+                            g, num_prompt_tokens=int(p_len[i]), num_output_tokens=int(o_len[i])
+                        )
+                        reject(code, gen_pid_np[g], validate.describe(code, **ctx), record)
+                    ok = reason < 0
+                    res.kept += int(ok.sum())
+                    if not ok.any():
+                        continue
+                    if not ok.all():
+                        keep = pa.array(ok)
+                        p_off, p_val = list_parts(p_arr.filter(keep))
+                        o_off, o_val = list_parts(o_arr.filter(keep))
                     table = _dataset_batch(
-                        p_off,
-                        p_val,
-                        o_off,
-                        o_val,
-                        gi,
-                        gen_scalars,
-                        category,
-                        rules,
+                        p_off, p_val, o_off, o_val, gi[ok], gen_scalars, category, rules
                     )
                     if pending is not None:
                         pending.result()
@@ -416,6 +366,35 @@ def merge_shard(
             finally:
                 if jsonl_f:
                     jsonl_f.close()
+            del prompts_col, outputs_col
+
+            res.reasons = {REASONS[i]: int(c) for i, c in enumerate(reason_counts) if c}
+            for r in rejected_rows:
+                if r["reason"] in validate.JOIN_REASONS:
+                    res.reasons[r["reason"]] = res.reasons.get(r["reason"], 0) + 1
+            res.rejected = len(rejected_rows)
+            # Conservation over tokenized prompts (see the module docstring).
+            rej_tok_prompts = {
+                r["prompt_id"] for r in rejected_rows if r["reason"] != "unknown_prompt_id"
+            }
+            accounted = res.kept + len(rej_tok_prompts) + res.generate_rejected
+            if accounted != res.tokenized:
+                raise ConservationError(
+                    f"merge {category}/{shard}: counts do not add up: tokenized={res.tokenized} "
+                    f"!= dataset={res.kept} + merge_rejected_prompts={len(rej_tok_prompts)} + "
+                    f"generate_rejected={res.generate_rejected} (= {accounted}); "
+                    f"generated rows={res.generated}"
+                )
+            writer.add_metadata(
+                {
+                    META_RECORDS_IN: res.generated + res.not_generated,
+                    META_RECORDS_KEPT: res.kept,
+                    META_RECORDS_REJECTED: res.rejected,
+                    "tokenmill.not_generated": res.not_generated,
+                    "tokenmill.generate_rejected": res.generate_rejected,
+                    "tokenmill.tokenized_rows": res.tokenized,
+                }
+            )
         if jsonl_tmp:
             os.replace(jsonl_tmp, jsonl_out)
     finally:

@@ -42,14 +42,11 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from tokenmill import contracts
+
 STAGES = ("prepare", "tokenize", "generate", "merge")
 METRICS = ("prompt_tokens", "output_tokens", "reasoning_tokens", "answer_tokens", "total_tokens")
 PLOT_FILES = tuple(f"length_{m}.png" for m in METRICS)
-
-
-def _meta(path: Path) -> dict[str, str]:
-    meta = pq.read_schema(path).metadata or {}
-    return {k.decode(): v.decode() for k, v in meta.items()}
 
 
 def _rows(files) -> int:
@@ -59,7 +56,7 @@ def _rows(files) -> int:
 def _int_meta(files, key) -> list[int] | None:
     vals = []
     for f in files:
-        v = _meta(f).get(key)
+        v = contracts.read_metadata(f).get(key)
         if v is None:
             return None
         vals.append(int(v))
