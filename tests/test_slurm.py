@@ -368,6 +368,36 @@ def test_profile_says_how_to_poll_without_slurmdbd():
     assert "--slurm-status-command squeue" in docs and "slurmdbd" in docs
 
 
+def test_squeue_status_command_sees_success_and_failure(pipeline, tmp_path):
+    """`--slurm-status-command squeue`, the setting for clusters without slurmdbd: the controller
+    sees a generate job complete, and sees a failing one fail (every attempt) and says so; it
+    never waits silently."""
+    drop = ["results/generated/chat/*", "results/rejected/generate/chat/*"]
+    target = "results/generated/chat/000.parquet"
+    squeue = ["--slurm-status-command", "squeue", "--verbose"]
+
+    ok_dir = fresh_copy(pipeline, tmp_path / "ok", drop)
+    cfg = write_config(ok_dir, make_config(), "ok.yaml")
+    rc, out = run(ok_dir, snakemake_cmd(300, cfg, *squeue, target), "squeue-ok", 360)
+    assert rc == 0, tail(out)
+    assert "command=squeue" in out and "command=sacct" not in out, tail(out)
+    assert "Falling back to 'sacct'" not in out, tail(out)
+    assert (ok_dir / target).exists()
+
+    bad_dir = fresh_copy(pipeline, tmp_path / "bad", drop)
+    exits = {"command": ["{python}", "-c", "import sys; sys.exit(3)"]}
+    cfg = write_config(bad_dir, make_config(launch=exits), "bad.yaml")
+    t0 = time.monotonic()
+    rc, out = run(bad_dir, snakemake_cmd(300, cfg, *squeue, target), "squeue-bad", 360)
+    assert rc != 0, tail(out)
+    assert time.monotonic() - t0 < 280, "the controller only stopped at the timeout"
+    assert "SLURM status is: 'FAILED'" in out, tail(out)
+    assert "status command is not 'sacct'" in out, tail(out)
+    assert len(slurm_jobs_of(bad_dir, "generate_shard", "chat_000")) == 3  # retries: 2
+    assert "engine exited with code 3 during startup" in _generate_log(bad_dir, "chat", "000")
+    assert not (bad_dir / target).exists()
+
+
 # ---------------------------------------------------------------------------------- faults
 
 FAULT_DELAY_S = 8  # per /generate request; 2 in flight: a 20-prompt shard needs ~80 s of work
