@@ -99,8 +99,14 @@ def shard_prompts(model_dir) -> tuple[dict[str, list[int]], int]:
 class Stage:
     """One `tokenmill generate` setup: config, journal, logs, outputs in its own directory."""
 
-    def __init__(self, root: Path, engine: str, model: Path, prompts, stop_id: int, vpy: str):
-        self.root, self.spec = root, ENGINES[engine]
+    def __init__(
+        self, root: Path, engine: str, model: Path, prompts, stop_id: int, vpy: str, extra=()
+    ):
+        self.root, self.spec = root, dict(ENGINES[engine])
+        if "--tokens-only" in extra:  # vLLM's tokens-in/tokens-out endpoint
+            self.spec.update(
+                post="POST /inference/v1/generate HTTP/1.1", path="/inference/v1/generate"
+            )
         root.mkdir(parents=True)
         self.tokenized = root / "t.parquet"
         rows = [
@@ -113,7 +119,7 @@ class Stage:
             contracts.TOKENIZED,
             "tokenize",
         )
-        engine_cmd = [vpy if a == "VLLM_PYTHON" else a for a in self.spec["command"]]
+        engine_cmd = [vpy if a == "VLLM_PYTHON" else a for a in self.spec["command"]] + list(extra)
         engine_cmd = ["@INNER_PORT@" if a == "{port}" else a for a in engine_cmd]
         # One gate for the test's stages: the launch command is part of the sample key.
         self.gate = root.parent / "gate"
@@ -265,6 +271,7 @@ def test_generate_kill_resume_against_real_engine(engine, tmp_path, model_dir, s
     clean.run()
     ref = clean.result()
     _check_outputs(ref, prompts, stop_id)
+    _CLEAN[engine] = ref
     assert clean.served_per_start() == [N_PROMPTS]
     m = clean.meta()
     assert m["engine"] == engine and m["counts"]["requested"] == N_PROMPTS
@@ -323,6 +330,28 @@ def test_generate_kill_resume_against_real_engine(engine, tmp_path, model_dir, s
         assert r["sample_key"] == ref[pid]["sample_key"]
 
 
+def test_vllm_tokens_only_endpoint_gives_the_same_outputs(tmp_path, model_dir, shard_prompts):
+    """`--tokens-only` in the launch command: the server has no tokenizer and the client uses
+    POST /inference/v1/generate. Every prompt once, through that endpoint (the server's own
+    access log), and the same greedy outputs as /v1/completions."""
+    prompts, stop_id = shard_prompts
+    vpy = _vllm_python_cached()
+    if "vllm" not in _CLEAN:  # run alone: make the /v1/completions reference here
+        clean = Stage(tmp_path / "clean", "vllm", model_dir, prompts, stop_id, vpy)
+        clean.run()
+        _CLEAN["vllm"] = clean.result()
+    st = Stage(tmp_path / "tokens", "vllm", model_dir, prompts, stop_id, vpy, ["--tokens-only"])
+    st.run()
+    rows = st.result()
+    _check_outputs(rows, prompts, stop_id)
+    assert st.served_per_start() == [N_PROMPTS]
+    assert "POST /v1/completions" not in (st.root / "logs" / "engine.log").read_text()
+    for pid, r in rows.items():
+        assert r["output_ids"] == _CLEAN["vllm"][pid]["output_ids"], pid
+        assert r["finish_type"] == _CLEAN["vllm"][pid]["finish_type"], pid
+
+
+_CLEAN: dict[str, dict] = {}  # engine -> the clean run's rows, reused by later tests
 _VPY: list[str] = []
 
 
