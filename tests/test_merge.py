@@ -263,7 +263,13 @@ def test_jsonl_export_and_loaders(tmp_path):
         "parquet", data_files=str(out), split="train", cache_dir=str(tmp_path / "hf")
     )
     assert ds[1]["input_ids"] == [5, 6, 3, 8, 4, 2] and ds[1]["loss_mask"] == [0, 0, 0, 1, 1, 1]
-    # polars is not installed: the pyarrow and datasets loaders are checked.
+    import polars as pl
+
+    df = pl.read_parquet(out)
+    assert df["prompt_id"].to_list() == ["a", "b"]
+    assert df["input_ids"].dtype == pl.List(pl.Int32) and df["loss_mask"].dtype == pl.List(pl.Int8)
+    assert df["input_ids"].to_list()[1] == [5, 6, 3, 8, 4, 2]
+    assert df["loss_mask"].to_list()[1] == [0, 0, 0, 1, 1, 1]
 
 
 def test_deterministic_bytes_and_streaming_across_row_groups(tmp_path, monkeypatch):
