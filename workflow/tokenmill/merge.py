@@ -254,6 +254,27 @@ def merge_shard(
         rec.update(extra)
         return rec
 
+    def reject_invalid(gi, reason, expected, p_off, o_off, o_val):
+        """A rejected row, with its reason's detail line, for each row of a batch that failed
+        validation (reason >= 0)."""
+        p_len, o_len = np.diff(p_off), np.diff(o_off)
+        for i in np.flatnonzero(reason >= 0):
+            code, g = REASONS[reason[i]], gi[i]
+            ctx = {
+                "count": int(per_prompt[tidx[g]]),
+                "got": gen_key_np[g],
+                "expected": expected[i],
+                "output": int(o_len[i]),
+                "vocab": rules.vocab_size,
+                "last": int(o_val[o_off[i + 1] - 1]) if o_len[i] else None,
+                "stops": list(rules.stop_ids),
+                "think": rules.think_end_id,
+                "total": int(p_len[i] + o_len[i]),
+                "limit": rules.max_sequence_tokens,
+            }
+            record = gen_record(g, num_prompt_tokens=int(p_len[i]), num_output_tokens=int(o_len[i]))
+            reject(code, gen_pid_np[g], validate.describe(code, **ctx), record)
+
     for g in np.flatnonzero(~known):
         reject(
             "unknown_prompt_id",
@@ -313,33 +334,13 @@ def merge_shard(
                     p_arr, o_arr = prompts_col.take(ti, b), outputs_col.take(gi, b)
                     p_off, p_val = list_parts(p_arr)
                     o_off, o_val = list_parts(o_arr)
-                    keys_np = gen_key_np[gi]
                     expected = sample_keys(generation_fp, p_off, p_val)
+                    key_ok = expected == gen_key_np[gi]
                     reason = validate.validate(
-                        rules, p_val, p_off, o_val, o_off, finish_np[gi], expected == keys_np,
-                        dup[gi],
-                    )  # fmt: skip
+                        rules, p_val, p_off, o_val, o_off, finish_np[gi], key_ok, dup[gi]
+                    )
                     reason_counts += np.bincount(reason[reason >= 0], minlength=len(REASONS))
-                    p_len, o_len = np.diff(p_off), np.diff(o_off)
-                    for i in np.flatnonzero(reason >= 0):
-                        code = REASONS[reason[i]]
-                        g = gi[i]
-                        ctx = {
-                            "count": int(per_prompt[tidx[g]]),
-                            "got": keys_np[i],
-                            "expected": expected[i],
-                            "output": int(o_len[i]),
-                            "vocab": rules.vocab_size,
-                            "last": int(o_val[o_off[i + 1] - 1]) if o_len[i] else None,
-                            "stops": list(rules.stop_ids),
-                            "think": rules.think_end_id,
-                            "total": int(p_len[i] + o_len[i]),
-                            "limit": rules.max_sequence_tokens,
-                        }
-                        record = gen_record(
-                            g, num_prompt_tokens=int(p_len[i]), num_output_tokens=int(o_len[i])
-                        )
-                        reject(code, gen_pid_np[g], validate.describe(code, **ctx), record)
+                    reject_invalid(gi, reason, expected, p_off, o_off, o_val)
                     ok = reason < 0
                     res.kept += int(ok.sum())
                     if not ok.any():
