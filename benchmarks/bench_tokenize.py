@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
 import pyarrow as pa  # noqa: E402
-from tokenmill import contracts, tokenize  # noqa: E402
+from tokenmill import contracts, prepare, tokenize  # noqa: E402
 from tokenmill.formats import prompt_id  # noqa: E402
 from tokenmill.tiny import build_tiny_tokenizer  # noqa: E402
 from tokenmill.tokenizer import load_tokenizer  # noqa: E402
@@ -88,12 +88,7 @@ def write_prompts(path: Path, convs) -> list[tuple[list, list | None]]:
     rows = {}
     for i, (messages, tools) in enumerate(convs):
         pid = prompt_id(messages, tools)
-        rows[pid] = {
-            "prompt_id": pid,
-            "source": f"bench:{i}",
-            "messages": contracts.canonical_json(messages),
-            "tools": None if tools is None else contracts.canonical_json(tools),
-        }
+        rows[pid] = prepare.prompt_row(pid, f"bench:{i}", messages, tools)
     ordered = [rows[p] for p in sorted(rows)]
     table = pa.Table.from_pylist(ordered, schema=contracts.PROMPTS)
     contracts.write_table(table, path, contracts.PROMPTS, "prepare")

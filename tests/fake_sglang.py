@@ -24,7 +24,8 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
+
+from gate_proxy import hold_limit  # tests/ is on sys.path: this script's folder
 
 SAMPLING_KEYS = {
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
@@ -46,16 +47,6 @@ def fake_output(input_ids: list[int], max_new: int, stop_ids: list[int]) -> tupl
         return body + [stop_ids[0]], {"type": "stop", "matched": stop_ids[0]}
     body = body[:max_new]
     return body, {"type": "length", "length": max_new}
-
-
-def _hold_limit(path: str | None) -> int | None:
-    """N from the hold file: requests after the Nth wait while it says so (no file: none)."""
-    if not path:
-        return None
-    try:
-        return int(Path(path).read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 class Fake:
@@ -148,7 +139,7 @@ class Fake:
                          "param": None, "code": 400}  # fmt: skip
         if a.latency:
             await asyncio.sleep(a.latency)
-        while (limit := _hold_limit(a.hold_file)) is not None and n > limit:
+        while (limit := hold_limit(a.hold_file)) is not None and n > limit:
             await asyncio.sleep(0.02)  # held: a kill test's interruption lands mid-shard
         max_new = sp.get("max_new_tokens", 128)
         out, finish = fake_output(ids, max_new, sp.get("stop_token_ids") or [])

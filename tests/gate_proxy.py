@@ -20,35 +20,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
+from tokenmill.engine import _set_pdeathsig, free_port
 
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pdeathsig():
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _allowed(gate_file: Path) -> int | None:
+def hold_limit(path) -> int | None:
+    """N from a gate/hold file: requests after the Nth wait while it says so (no file: none).
+    Shared with fake_sglang.py's --hold-file."""
+    if not path:
+        return None
     try:
-        return int(gate_file.read_text().strip())
+        return int(Path(path).read_text().strip())
     except (FileNotFoundError, ValueError):
         return None
 
@@ -62,16 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("engine", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     engine_argv = [a for a in args.engine if a != "--"]
-    inner = _free_port()
+    inner = free_port()
     engine_argv = [a.replace("@INNER_PORT@", str(inner)) for a in engine_argv]
-    engine = subprocess.Popen(engine_argv, preexec_fn=_pdeathsig)
+    engine = subprocess.Popen(engine_argv, preexec_fn=_set_pdeathsig)
     upstream = f"http://127.0.0.1:{inner}"
     forwarded = 0
 
     async def handle(request: web.Request) -> web.StreamResponse:
         nonlocal forwarded
         if request.method == "POST" and request.path == args.gate_path:
-            while (n := _allowed(args.gate_file)) is not None and forwarded >= n:
+            while (n := hold_limit(args.gate_file)) is not None and forwarded >= n:
                 await asyncio.sleep(0.05)
             forwarded += 1
         body = await request.read()

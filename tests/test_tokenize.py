@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from tokenmill import contracts, shards
+from tokenmill import contracts, prepare, shards
 from tokenmill import tokenize as tk
 from tokenmill.formats import prompt_id
 from tokenmill.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -73,12 +73,7 @@ def prompt_rows(convs) -> list[dict]:
     rows = {}
     for i, (messages, tools) in enumerate(convs):
         pid = prompt_id(messages, tools)
-        rows[pid] = {
-            "prompt_id": pid,
-            "source": f"test:{i}",
-            "messages": contracts.canonical_json(messages),
-            "tools": None if tools is None else contracts.canonical_json(tools),
-        }
+        rows[pid] = prepare.prompt_row(pid, f"test:{i}", messages, tools)
     return [rows[p] for p in sorted(rows)]
 
 

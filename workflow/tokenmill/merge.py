@@ -199,7 +199,7 @@ def merge_shard(
 ) -> MergeResult:
     """Merge one shard; raises ConservationError when the counts do not add up."""
     res = MergeResult()
-    tok = _read_scalar(tokenized, ["prompt_id"])
+    tok = _read_scalar(tokenized, ["prompt_id", "num_prompt_tokens"])
     gen = _read_scalar(generated, ["prompt_id", "sample_key", "finish_type", "finish_matched_id"])
     tok_pid, gen_pid = tok.column("prompt_id"), gen.column("prompt_id")
     gen_scalars = gen.select(["prompt_id", "sample_key", "finish_type"]).combine_chunks()
@@ -228,8 +228,7 @@ def merge_shard(
     finish_np = gen.column("finish_type").to_numpy(zero_copy_only=False)
     matched_np = gen.column("finish_matched_id").to_pylist()
     tok_pid_np = tok_pid.to_numpy(zero_copy_only=False)
-    tok_counts = _read_scalar(tokenized, ["num_prompt_tokens"]).column(0)
-    tok_counts = tok_counts.to_numpy(zero_copy_only=False)
+    tok_counts = tok.column("num_prompt_tokens").to_numpy(zero_copy_only=False)
 
     def reject(reason, pid, detail, record=None):
         rejected_rows.append(

@@ -64,6 +64,17 @@ def with_defaults(category: dict) -> dict:
     return cat
 
 
+def prompt_row(pid: str, source: str, messages: list, tools: list | None) -> dict:
+    """One PROMPTS row. Messages and tools keep their source key order: templates render
+    tools with tojson, so sorting would change what the model sees."""
+    return {
+        "prompt_id": pid,
+        "source": source,
+        "messages": ordered_json(messages),
+        "tools": None if tools is None else ordered_json(tools),
+    }
+
+
 def sample_rank(seed: int, pid: str) -> str:
     return hashlib.sha256(f"{seed}:{pid}".encode()).hexdigest()
 
@@ -132,13 +143,8 @@ def prepare(category: str, cat: dict, basedir: str | Path = "."):
                         first = kept[pid]["source"]
                         reject(key, formats.DUPLICATE_PROMPT, f"same prompt as {first}", rec, pid)
                         continue
-                    kept[pid] = {
-                        "prompt_id": pid,
-                        "source": record.location,
-                        "messages": ordered_json(messages),
-                        "tools": None if tools is None else ordered_json(tools),
-                        "_raw": record.raw,
-                    }
+                    row = prompt_row(pid, record.location, messages, tools)
+                    kept[pid] = {**row, "_raw": record.raw}
                     order[pid] = key
         except SourceError as exc:
             raise PrepareError(str(exc)) from exc
