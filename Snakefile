@@ -1,6 +1,6 @@
 # tokenmill: EAGLE-3 drafter training data as raw token IDs.
 # Stages: prepare -> tokenize (checkpoint) -> generate (GPU) -> merge -> stats, card, provenance.
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 min_version("9.0")
 

@@ -21,9 +21,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import fake_sglang  # noqa: E402
+
 from tokenmill import journal  # noqa: E402
-from tokenmill.client import Client, ClientOptions, Item  # noqa: E402
-from tokenmill.engine import free_port  # noqa: E402
+from tokenmill.generate.client import Client, ClientOptions, Item  # noqa: E402
+from tokenmill.generate.launch import free_port  # noqa: E402
 
 
 def _cpu() -> float:

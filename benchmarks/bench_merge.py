@@ -30,7 +30,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tokenmill import contracts, keys, merge, validate
+
+from tokenmill import contracts, keys
+from tokenmill.dataset import export, merge, validate
 
 GEN_CFG = {"model": "bench", "sampling": {"max_new_tokens": 256}, "stop_tokens": [2]}
 VOCAB = 32000
@@ -109,7 +111,7 @@ def run_side(side: str, directory: Path, shards: int) -> dict:
                 output,
                 out / f"{s:03d}.parquet",
                 row_group_size=contracts.ROW_GROUP_SIZE,
-                **contracts._WRITER_OPTIONS,
+                **contracts.WRITER_OPTIONS,
             )
             wall += time.perf_counter() - t0
             del output
@@ -126,8 +128,9 @@ def run_side(side: str, directory: Path, shards: int) -> dict:
                 fp,
                 "bench",
                 f"{s:03d}",
-                jsonl_out=out / f"{s:03d}.jsonl" if side == "merge+jsonl" else None,
             )
+            if side == "merge+jsonl":
+                export.export_jsonl(out / f"{s:03d}.parquet", out / f"{s:03d}.jsonl")
         wall = time.perf_counter() - t0
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return {"side": side, "wall_s": wall, "peak_rss_mb": rss_mb}

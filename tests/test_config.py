@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from tokenmill.config import ConfigError, check_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -33,6 +33,7 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from tokenmill import contracts
 
 pytestmark = [pytest.mark.engines, pytest.mark.slow]

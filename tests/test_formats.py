@@ -1,4 +1,4 @@
-"""Unit tests for tokenmill.formats: every format, every reason code, turn selection, ids."""
+"""Unit tests for tokenmill.prepare.formats: every format, every reason code, turn selection, ids."""
 
 # Tables of records read best with one record per line.
 # ruff: noqa: E501
@@ -9,9 +9,16 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenmill import formats
+
 from tokenmill.config import load_hook
-from tokenmill.formats import RecordError, prompt_id, select_turns, to_conversation, to_prompts
+from tokenmill.prepare import formats
+from tokenmill.prepare.formats import (
+    RecordError,
+    prompt_id,
+    select_turns,
+    to_conversation,
+    to_prompts,
+)
 
 U = {"role": "user", "content": "hi"}
 

@@ -15,8 +15,10 @@ import fake_sglang
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenmill import contracts, journal
-from tokenmill.engine import free_port
+
+from tokenmill import contracts
+from tokenmill.generate import journal
+from tokenmill.generate.launch import free_port
 
 
 def write_tokenized(path, prompts: dict[str, list[int]]):

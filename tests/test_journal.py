@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import numpy as np
-from tokenmill import journal, keys
+
+from tokenmill import keys
+from tokenmill.generate import journal
 
 GEN = {
     "engine": "sglang",
@@ -80,7 +82,7 @@ def test_key_first_even_if_given_later_and_empty_writer_leaves_no_file(tmp_path)
 def test_records_survive_sigkill(tmp_path):
     code = (
         "import os, signal\n"
-        "from tokenmill import journal\n"
+        "from tokenmill.generate import journal\n"
         f"w = journal.JournalWriter({str(tmp_path)!r}, 'cat', '000', fsync_interval_s=3600)\n"
         "for i in range(100):\n"
         "    w.append({'key': format(i, '032x'), 'status': 'ok', 'output_ids': [i]})\n"

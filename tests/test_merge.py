@@ -14,7 +14,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenmill import contracts, keys, merge, validate
+
+from tokenmill import contracts, keys
+from tokenmill.dataset import export, merge, validate
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -142,8 +144,10 @@ def run_merge(tmp_path, prompts, gens, gen_rejected=None, jsonl=False, **rule_ov
         "chat",
         "000",
         generate_rejected=gr,
-        jsonl_out=tmp_path / "export" / "000.jsonl" if jsonl else None,
     )
+    if jsonl:
+        (tmp_path / "export").mkdir(exist_ok=True)
+        export.export_jsonl(out, tmp_path / "export" / "000.jsonl")
     return res, out, rej
 
 
@@ -334,8 +338,6 @@ def test_cli_with_real_tokenizer(tmp_path):
             str(tmp_path / "d.parquet"),
             "--rejected",
             str(tmp_path / "r.parquet"),
-            "--jsonl-out",
-            str(tmp_path / "d.jsonl"),
             "--dataset-config",
             json.dumps(DS_CFG),
             "--generation-config",

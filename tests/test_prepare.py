@@ -11,9 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from tokenmill import prepare as prep
+
 from tokenmill.contracts import PROMPTS, REJECTED, read_metadata
-from tokenmill.sources import SourceError, iter_source
+from tokenmill.prepare import stage as prep
+from tokenmill.prepare.sources import SourceError, iter_source
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from test_merge import build_tokenizer, gen_row, write_generated
 from test_stats import CONFIG, build_results
-from tokenmill import provenance, verify
+
+from tokenmill.provenance import manifest as provenance
+from tokenmill.provenance import verify
 
 SECRET = "sk-test-0123456789abcdef"
 

@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from tokenmill import contracts, formats
-from tokenmill.tiny import KIMI_SPECIAL, THINK_TOKENS, template_text
+
+from tokenmill import contracts
+from tokenmill.prepare import formats
+from tokenmill.testing.tiny_model import KIMI_SPECIAL, THINK_TOKENS, template_text
 
 BIN = Path(sys.executable).parent
 

@@ -9,7 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from test_merge import GEN_CFG, gen_row, rules, write_generated, write_tokenized
-from tokenmill import card, contracts, merge, stats
+
+from tokenmill import contracts
+from tokenmill.dataset import card, export, merge, stats
 
 CONFIG = {
     "results_dir": "results",
@@ -96,7 +98,10 @@ def build_results(root: Path) -> Path:
             cat,
             shard,
             generate_rejected=grej,
-            jsonl_out=r / "export" / cat / f"{shard}.jsonl",
+        )
+        (r / "export" / cat).mkdir(parents=True, exist_ok=True)
+        export.export_jsonl(
+            r / "dataset" / cat / f"{shard}.parquet", r / "export" / cat / f"{shard}.jsonl"
         )
     return r
 

@@ -11,10 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from tokenmill import contracts, prepare, shards
-from tokenmill import tokenize as tk
-from tokenmill.formats import prompt_id
-from tokenmill.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+from tokenmill import contracts
+from tokenmill.prepare import stage as prepare
+from tokenmill.prepare.formats import prompt_id
+from tokenmill.tokenization import shards
+from tokenmill.tokenization import stage as tk
+from tokenmill.tokenization.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -107,7 +110,7 @@ def synthetic_convs(n: int, seed: int = 0):
 @pytest.fixture(scope="module")
 def sample_convs():
     """The sample data's prompts, through the real prepare stage, plus the hand-made ones."""
-    from tokenmill.prepare import prepare
+    from tokenmill.prepare.stage import prepare
 
     config = yaml.safe_load((REPO / "config.yaml").read_text())
     convs = []
@@ -205,8 +208,9 @@ def test_kwargs_that_are_apply_chat_template_arguments_take_the_generic_path(tin
 
 def _char_tokenizer():
     """A slow (pure Python) tokenizer, as Kimi's tiktoken tokenizer is: one token per char."""
-    from tokenmill.tiny import KIMI_SPECIAL, THINK_TOKENS, template_text
     from transformers import PreTrainedTokenizer
+
+    from tokenmill.testing.tiny_model import KIMI_SPECIAL, THINK_TOKENS, template_text
 
     class CharTokenizer(PreTrainedTokenizer):
         def __init__(self, **kwargs):
@@ -541,7 +545,7 @@ def test_cli(tmp_path, tiny_tokenizer_dir, capsys):
 
 
 def test_a_hub_id_missing_from_the_cache_is_a_clear_error(tmp_path):
-    from tokenmill.tokenizer import tokenizer_dir
+    from tokenmill.tokenization.tokenizer import tokenizer_dir
 
     with pytest.raises(FileNotFoundError, match="no-such-org/no-such-model"):
         tokenizer_dir(tok_cfg("no-such-org/no-such-model"), tmp_path)

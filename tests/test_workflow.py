@@ -22,7 +22,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from tokenmill.shards import shard_of
+
+from tokenmill.tokenization.shards import shard_of
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

@@ -65,7 +65,8 @@ class Probe:
 
 def _patch_reference_server(probe: Probe, delay_s: float) -> None:
     from aiohttp import web
-    from tokenmill import reference_server
+
+    from tokenmill.testing import reference_api as reference_server
 
     make_app = reference_server.make_app
 
@@ -133,7 +134,7 @@ def main(argv: list[str]) -> int:
         finally:
             probe.write("stop")
     _patch_reference_server(probe, float(_env("TOKENMILL_PROBE_DELAY_S") or 0))
-    from tokenmill import reference_server
+    from tokenmill.testing import reference_api as reference_server
 
     return reference_server.main(server_args)
 

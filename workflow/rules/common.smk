@@ -5,21 +5,22 @@ import re
 
 from tokenmill import workflow_support as support
 from tokenmill.config import ConfigError, check_config
+from tokenmill.keys import generation_fingerprint
+from tokenmill.tokenization.shards import shard_names
 
-# A bad config fails here, before any job starts, with the offending key named.
+# A bad config fails here, before any job starts, with the offending key named: one validation
+# against workflow/schemas/config.schema.yaml (defaults filled in), then the semantic checks.
 try:
     check_config(config, basedir=".")
 except ConfigError as exc:
     raise WorkflowError(str(exc)) from None
-# Same schema through Snakemake's own validator (it also fills in the defaults).
-validate(config, "../schemas/config.schema.yaml")
 
 RESULTS = config["results_dir"]
 CATEGORIES = sorted(config["categories"])
 TOKENIZER_FINGERPRINT = support.tokenizer_params_fingerprint(config["tokenizer"], ".")
-GENERATION_FINGERPRINT = support.generation_fingerprint(config["generation"])
+GENERATION_FINGERPRINT = generation_fingerprint(config["generation"])
 if config["reproduce"]:
-    from tokenmill.reproduce import load_manifest, reproduce_problems
+    from tokenmill.provenance.reproduce import load_manifest, reproduce_problems
 
     # Refuse to start a reproduction that cannot match: say what differs.
     _problems = reproduce_problems(load_manifest(config["reproduce"]), config, ".")
@@ -42,7 +43,7 @@ def res(path):
 
 
 def shards_of(category):
-    return support.shard_names(config["categories"][category]["shards"])
+    return shard_names(config["categories"][category]["shards"])
 
 
 def category_source_files(wildcards):

@@ -12,19 +12,28 @@ import sys
 from pathlib import Path
 
 COMMANDS = {
-    "check-config": ("tokenmill.config_cli", "validate a config file and print it resolved"),
-    "prepare": ("tokenmill.prepare", "sources of one category -> normalized prompts"),
-    "tokenize": ("tokenmill.tokenize", "prompts of one category -> tokenized shards"),
-    "generate": ("tokenmill.generate", "one tokenized shard -> generated token shard"),
-    "serve-reference": ("tokenmill.reference_server", "CPU engine speaking SGLang's native API"),
-    "merge": ("tokenmill.merge", "tokenized + generated shard -> validated training shard"),
-    "export-jsonl": ("tokenmill.export", "dataset shard -> JSONL of input_ids/loss_mask"),
-    "stats": ("tokenmill.stats", "summary statistics, tables and plots"),
-    "card": ("tokenmill.card", "write the dataset card (README.md) of results/dataset"),
-    "provenance": ("tokenmill.provenance", "write provenance.json for a finished run"),
-    "verify": ("tokenmill.verify", "check a directory against a provenance file"),
-    "reproduce-config": ("tokenmill.reproduce", "config that reproduces a published run"),
-    "make-tiny-model": ("tokenmill.tiny", "build the tiny offline tokenizer and model"),
+    "check-config": ("tokenmill.config", "validate a config file and print it resolved"),
+    "prepare": ("tokenmill.prepare.stage", "sources of one category -> normalized prompts"),
+    "tokenize": ("tokenmill.tokenization.stage", "prompts of one category -> tokenized shards"),
+    "generate": ("tokenmill.generate.stage", "one tokenized shard -> generated token shard"),
+    "serve-reference": (
+        "tokenmill.testing.reference_api",
+        "CPU engine speaking SGLang's native API",
+    ),
+    "merge": ("tokenmill.dataset.merge", "tokenized + generated shard -> validated training shard"),
+    "export-jsonl": ("tokenmill.dataset.export", "dataset shard -> JSONL of input_ids/loss_mask"),
+    "stats": ("tokenmill.dataset.stats", "summary statistics, tables and plots"),
+    "card": ("tokenmill.dataset.card", "write the dataset card (README.md) of results/dataset"),
+    "provenance": ("tokenmill.provenance.manifest", "write provenance.json for a finished run"),
+    "verify": ("tokenmill.provenance.verify", "check a directory against a provenance file"),
+    "reproduce-config": (
+        "tokenmill.provenance.reproduce",
+        "config that reproduces a published run",
+    ),
+    "make-tiny-model": (
+        "tokenmill.testing.tiny_model",
+        "build the tiny offline tokenizer and model",
+    ),
 }
 
 

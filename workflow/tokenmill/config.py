@@ -14,7 +14,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from tokenmill.sources import SourceError, expand_paths
+from tokenmill.prepare.sources import SourceError, expand_paths
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 
@@ -119,7 +119,7 @@ def check_semantics(config: dict, basedir: str | Path = ".") -> None:
             problems.append("config key 'generation.launch.command': required in managed mode")
         if gen.get("mode") == "external" and not gen.get("external", {}).get("urls"):
             problems.append("config key 'generation.external.urls': required in external mode")
-        from tokenmill import engines
+        from tokenmill.generate import engines
 
         try:
             engines.validate(gen)
@@ -160,3 +160,21 @@ def load_config(path: str | Path, basedir: str | Path = ".") -> dict:
     with open(path) as f:
         config = yaml.safe_load(f) if str(path).endswith((".yaml", ".yml")) else json.load(f)
     return check_config(config, basedir)
+
+
+def main(argv: list[str]) -> int:
+    """`tokenmill check-config CONFIG`: validate a config and print it with defaults filled in."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="tokenmill check-config")
+    parser.add_argument("config")
+    parser.add_argument("--basedir", default=".")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.basedir)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    json.dump(config, sys.stdout, indent=2, sort_keys=True)
+    print()
+    return 0

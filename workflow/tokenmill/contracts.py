@@ -8,6 +8,7 @@ inputs give byte-identical files and a killed job never leaves a half-written fi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -99,7 +100,7 @@ REJECTED = pa.schema(
 )
 
 # Fixed writer options: part of the byte-identity promise. Changing them changes every file.
-_WRITER_OPTIONS = dict(
+WRITER_OPTIONS = dict(
     compression="zstd",
     compression_level=3,
     use_dictionary=True,
@@ -114,6 +115,15 @@ ROW_GROUP_SIZE = 8192
 def canonical_json(value) -> str:
     """JSON with sorted keys and no whitespace: the same value always gives the same text."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """sha256 hex of a file, read in 1 MiB blocks (tokenizer files, inputs, outputs)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def ordered_json(value) -> str:
@@ -173,7 +183,7 @@ class ParquetWriter:
         self.path = Path(path)
         self.schema = with_metadata(schema, stage, metadata)
         self._tmp = atomic_path(self.path)
-        self._writer = pq.ParquetWriter(self._tmp, self.schema, **_WRITER_OPTIONS)
+        self._writer = pq.ParquetWriter(self._tmp, self.schema, **WRITER_OPTIONS)
         self.rows = 0
 
     def write(self, data: pa.Table | pa.RecordBatch) -> None:

@@ -6,13 +6,10 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from tokenmill import tokenizer
 from tokenmill.config import normalize_source
-from tokenmill.contracts import canonical_json
-from tokenmill.keys import generation_fingerprint  # noqa: F401 - re-exported for the Snakefile
-from tokenmill.shards import shard_names  # noqa: F401 - re-exported for the Snakefile
-from tokenmill.sources import expand_paths
-from tokenmill.tokenizer import tokenizer_files
+from tokenmill.contracts import canonical_json, sha256_file
+from tokenmill.prepare.sources import expand_paths
+from tokenmill.tokenization.tokenizer import tokenizer_files
 
 
 def local_source_files(category: dict, basedir) -> list[str]:
@@ -35,6 +32,6 @@ def tokenizer_params_fingerprint(cfg: dict, basedir) -> str:
     files = tokenizer_files(local) if local.is_dir() else []
     if cfg.get("chat_template"):
         template = Path(basedir) / cfg["chat_template"]
-        files.append({"name": "chat_template", "sha256": tokenizer._sha256_file(template)})
+        files.append({"name": "chat_template", "sha256": sha256_file(template)})
     h.update(canonical_json([[f["name"], f["sha256"]] for f in files]).encode())
     return h.hexdigest()

@@ -1,4 +1,4 @@
-"""SGLang's native API (see shared/reference/sglang-native-api.md, v0.5.23).
+"""SGLang's native API (docs/sglang-api.md).
 
 Request: POST /generate {"input_ids": [...], "sampling_params": {...}, "rid": "..."}; the answer
 carries output_ids and meta_info.finish_reason {"type", "matched"}. Identity: /model_info and
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import aiohttp
 
-from tokenmill.engines.base import BadResponse, EngineAPI, get_json, has_flag
-from tokenmill.engines.base import error_message as error_message
+from tokenmill.generate.engines.base import BadResponse, EngineAPI, get_json, has_flag
+from tokenmill.generate.engines.base import error_message as error_message
 
 # SamplingParams fields accepted by the /generate contract gate (api_types.py); any other key is
 # a 400 "unknown field" from the server, so we refuse it before paying for a single request.

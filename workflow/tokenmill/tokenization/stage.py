@@ -53,8 +53,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tokenmill import contracts, shards
+from tokenmill import contracts
 from tokenmill.cli import json_arg
+from tokenmill.tokenization import shards
 
 STAGE = "tokenize"
 CHUNK_ROWS = 1024
@@ -239,7 +240,7 @@ def _init_worker(tok_cfg: dict, basedir: str) -> None:
     global _WORKER_ENCODER
     # The parent's cores are shared between workers: no nested Rust thread pools.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from tokenmill.tokenizer import load_tokenizer
+    from tokenmill.tokenization.tokenizer import load_tokenizer
 
     _WORKER_ENCODER = Encoder(load_tokenizer(tok_cfg, basedir), tok_cfg.get("chat_template_kwargs"))
 
@@ -402,7 +403,7 @@ def tokenize_category(
     tokenizer=None,
 ) -> Summary:
     """Run the stage end to end; returns the counts. `tokenizer`: an already loaded one."""
-    from tokenmill.tokenizer import load_tokenizer, tokenizer_fingerprint
+    from tokenmill.tokenization.tokenizer import load_tokenizer, tokenizer_fingerprint
 
     if num_shards < 1:
         raise TokenizeError(f"--shards must be >= 1, got {num_shards}")
@@ -626,7 +627,7 @@ def main(argv: list[str]) -> int:
         cores = args.workers or available_cores()
         # Rust's thread pool reads this once, at its first use (after the tokenizer loads).
         os.environ.setdefault("RAYON_NUM_THREADS", str(cores))
-        from tokenmill.tokenizer import load_tokenizer
+        from tokenmill.tokenization.tokenizer import load_tokenizer
 
         tok_cfg = _json_arg(args.tokenizer_config)
         tokenizer = load_tokenizer(tok_cfg, args.basedir)

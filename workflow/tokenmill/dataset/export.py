@@ -6,10 +6,23 @@ from __future__ import annotations
 import argparse
 import os
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokenmill.contracts import atomic_path
-from tokenmill.merge import jsonl_lines
+
+
+def jsonl_lines(input_ids: pa.ListArray, loss_mask: pa.ListArray) -> str:
+    """JSONL text for a batch, built by Arrow string kernels (no Python loop over tokens)."""
+    if len(input_ids) == 0:
+        return ""
+    ids = pc.binary_join(input_ids.cast(pa.list_(pa.string())), ",")
+    mask = pc.binary_join(loss_mask.cast(pa.list_(pa.string())), ",")
+    lines = pc.binary_join_element_wise(
+        '{"input_ids":[', ids, '],"loss_mask":[', mask, "]}", ""
+    ).to_pylist()
+    return "\n".join(lines) + "\n"
 
 
 def export_jsonl(dataset_path, out_path, batch_size: int = 4096) -> int:

@@ -6,7 +6,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from tokenmill.contracts import canonical_json
+from tokenmill.contracts import canonical_json, sha256_file
 
 
 def load_tokenizer(cfg: dict, basedir: str | os.PathLike = "."):
@@ -51,14 +51,6 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5
 WEIGHT_INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def tokenizer_files(directory: str | os.PathLike) -> list[dict]:
     """name (relative, posix), size and sha256 of every tokenizer file under `directory`.
 
@@ -74,7 +66,7 @@ def tokenizer_files(directory: str | os.PathLike) -> list[dict]:
         if path.name.endswith(WEIGHT_SUFFIXES + WEIGHT_INDEX_SUFFIXES):
             continue
         files.append(
-            {"name": rel.as_posix(), "size": path.stat().st_size, "sha256": _sha256_file(path)}
+            {"name": rel.as_posix(), "size": path.stat().st_size, "sha256": sha256_file(path)}
         )
     return files
 

@@ -61,7 +61,7 @@ class Rules:
 
 def rules_from_config(dataset_cfg: dict, generation_cfg: dict, tokenizer) -> Rules:
     """Rules for the `dataset:` section, the generation stop tokens and the loaded tokenizer."""
-    from tokenmill.tokenizer import resolve_token_ids
+    from tokenmill.tokenization.tokenizer import resolve_token_ids
 
     stop = resolve_token_ids(tokenizer, generation_cfg.get("stop_tokens") or [])
     if tokenizer.eos_token_id is not None:

@@ -5,12 +5,13 @@ never a shell string), a free port, its own process group, stdout/stderr appende
 {log_dir}/engine.log; ready when GET /health is 200 AND the engine's model endpoint answers
 (SGLang /model_info, vLLM /v1/models); the served model is checked against generation.model.
 Stop = SIGTERM to the group, wait, SIGKILL. What differs between engines (endpoints, default
-environment) comes from the engine's EngineAPI (tokenmill.engines).
+environment) comes from the engine's EngineAPI (tokenmill.generate.engines).
 
 Multi-node (launch.nnodes > 1, inside a SLURM allocation): the command runs through
-`srun --nodes=N --ntasks=N --ntasks-per-node=1 --kill-on-bad-exit=1 python -m tokenmill.engine
-task --argv-json ...`; each task substitutes {node_rank} and {dist_init_addr} from its SLURM
-environment and execs the engine. Requests go to node rank 0 (the first host of the nodelist).
+`srun --nodes=N --ntasks=N --ntasks-per-node=1 --kill-on-bad-exit=1
+python -m tokenmill.generate.launch task --argv-json ...`; each task substitutes {node_rank}
+and {dist_init_addr} from its SLURM environment and execs the engine. Requests go to node
+rank 0 (the first host of the nodelist).
 The launcher prefix is injectable (TOKENMILL_LAUNCHER_PREFIX, a JSON list) for local tests.
 """
 
@@ -33,9 +34,9 @@ from pathlib import Path
 
 import aiohttp
 
-from tokenmill import engines
-from tokenmill.engines import EngineAPI
-from tokenmill.secrets import redact, redact_argv
+from tokenmill.generate import engines
+from tokenmill.generate.engines import EngineAPI
+from tokenmill.redaction import redact, redact_argv
 
 DIST_PORT_OFFSET = 1000  # dist_init_addr port = HTTP port + this (both picked per launch)
 
@@ -60,7 +61,7 @@ def substitute(template: list[str], values: dict) -> list[str]:
     return out
 
 
-def _set_pdeathsig():  # runs in the child before exec
+def set_pdeathsig():  # runs in the child before exec
     # If the generate process is SIGKILLed, the kernel sends SIGTERM to the engine: no orphans.
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -120,7 +121,7 @@ def task_argv(argv_template: list[str], env: dict, dist_port: int) -> list[str]:
 
 
 def task_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m tokenmill.engine task")
+    p = argparse.ArgumentParser(prog="python -m tokenmill.generate.launch task")
     p.add_argument("--argv-json", required=True)
     p.add_argument("--dist-port", type=int, required=True)
     a = p.parse_args(argv)
@@ -207,7 +208,7 @@ class ManagedEngine:
         }
         argv = substitute(list(self.launch["command"]), values)
         if nnodes > 1:
-            wrapper = [sys.executable, "-m", "tokenmill.engine", "task"]
+            wrapper = [sys.executable, "-m", "tokenmill.generate.launch", "task"]
             dist = ["--dist-port", str(port + DIST_PORT_OFFSET)]
             return launcher_prefix(nnodes) + wrapper + ["--argv-json", json.dumps(argv)] + dist
         return substitute(argv, {"node_rank": 0, "dist_init_addr": f"127.0.0.1:{port + 1}"})
@@ -254,7 +255,7 @@ class ManagedEngine:
                     start_new_session=True,
                     env=env,
                     cwd=str(self.basedir),
-                    preexec_fn=_set_pdeathsig,
+                    preexec_fn=set_pdeathsig,
                 )
             except OSError as exc:
                 raise EngineError(f"cannot start engine {self.argv[0]!r}: {exc}") from exc
@@ -353,7 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "task":
         return task_main(argv[1:])
-    print("usage: python -m tokenmill.engine task --argv-json JSON --dist-port N", file=sys.stderr)
+    print(
+        "usage: python -m tokenmill.generate.launch task --argv-json JSON --dist-port N",
+        file=sys.stderr,
+    )
     return 2
 
 

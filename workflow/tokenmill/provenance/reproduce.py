@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from tokenmill.keys import generation_fingerprint
-from tokenmill.provenance import check_reproducible
+from tokenmill.provenance.manifest import check_reproducible
 
 
 def load_manifest(path) -> dict:

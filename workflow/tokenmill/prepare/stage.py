@@ -5,7 +5,7 @@
         [--basedir DIR]
 
 Records are read in source order (sources as listed, files sorted by path), mapped to
-conversations (tokenmill.formats), cut into prompts by the category's `turns`, deduplicated
+conversations (tokenmill.prepare.formats), cut into prompts by the category's `turns`, deduplicated
 by prompt_id (the first occurrence in source order is kept) and, with `max_prompts`, sampled
 by ranking sha256(f"{sample_seed}:{prompt_id}"): editing one prompt never reshuffles others.
 
@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from tokenmill import formats
 from tokenmill.cli import json_arg
 from tokenmill.config import load_hook, normalize_source
 from tokenmill.contracts import (
@@ -37,7 +36,8 @@ from tokenmill.contracts import (
     rejected_table,
     write_table,
 )
-from tokenmill.sources import SourceError, iter_source
+from tokenmill.prepare import formats
+from tokenmill.prepare.sources import SourceError, iter_source
 
 STAGE = "prepare"
 CATEGORY_DEFAULTS = {"turns": "last", "max_prompts": None, "sample_seed": 0, "format_options": {}}

@@ -29,11 +29,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tokenmill import contracts, engines, journal, keys
+from tokenmill import contracts, keys
 from tokenmill.cli import json_arg
-from tokenmill.client import Client, ClientOptions, EngineDied, GenerationFailed, Item, Stats
-from tokenmill.engine import EngineError, ExternalEngines, ManagedEngine
-from tokenmill.secrets import redact
+from tokenmill.generate import engines, journal
+from tokenmill.generate.client import (
+    Client,
+    ClientOptions,
+    EngineDied,
+    GenerationFailed,
+    Item,
+    Stats,
+)
+from tokenmill.generate.launch import EngineError, ExternalEngines, ManagedEngine
+from tokenmill.redaction import redact
 
 log = logging.getLogger("tokenmill.generate")
 
@@ -65,7 +73,10 @@ def resolve_stop_ids(gen: dict, tok_cfg: dict, basedir: str) -> list[int]:
     if all(isinstance(t, int) for t in tokens):
         return tokens
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from tokenmill.tokenizer import load_tokenizer, resolve_token_ids  # heavy: only when needed
+    from tokenmill.tokenization.tokenizer import (  # heavy: only when needed
+        load_tokenizer,
+        resolve_token_ids,
+    )
 
     return resolve_token_ids(load_tokenizer(tok_cfg, basedir), tokens)
 

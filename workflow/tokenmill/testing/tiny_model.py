@@ -76,7 +76,7 @@ _QA = [
 
 
 def template_text(name: str) -> str:
-    return (resources.files("tokenmill") / "templates" / f"{name}_like.jinja").read_text()
+    return (resources.files("tokenmill.testing") / "templates" / f"{name}_like.jinja").read_text()
 
 
 def build_tiny_tokenizer(out_dir, template: str = "kimi", vocab_size: int = 1024):

@@ -12,7 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from tokenmill.provenance import output_paths, sha256_file
+from tokenmill.contracts import sha256_file
+from tokenmill.provenance.manifest import output_paths
 
 
 def verify(manifest: dict, directory) -> tuple[list[str], list[str]]:

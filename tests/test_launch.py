@@ -11,8 +11,9 @@ import time
 
 import fake_sglang
 import pytest
-from tokenmill import engine as eng
-from tokenmill import secrets
+
+from tokenmill import redaction as secrets
+from tokenmill.generate import launch as eng
 
 
 def _gen(*flags, model="fake/model", **launch):
@@ -126,7 +127,14 @@ def test_task_wrapper_substitutes_rank_and_head(tmp_path):
     env = dict(os.environ, SLURM_PROCID="1", SLURM_NODEID="1", SLURM_JOB_NODELIST="gpu[07-08]")
     env["PATH"] = os.path.dirname(sys.executable)  # no scontrol here
     out = subprocess.run(
-        [sys.executable, "-m", "tokenmill.engine", "task", "--argv-json", json.dumps(template)]
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.generate.launch",
+            "task",
+            "--argv-json",
+            json.dumps(template),
+        ]
         + ["--dist-port", "5000"],
         env=env,
         capture_output=True,
@@ -150,7 +158,7 @@ def test_multinode_launch_with_injected_prefix(tmp_path, monkeypatch):
     e = eng.ManagedEngine(gen, tmp_path)
     argv = e.build_argv(31000)
     assert argv[:4] == ["env", "SLURM_PROCID=0", "SLURM_NODEID=0", "SLURM_JOB_NODELIST=127.0.0.1"]
-    assert argv[4:8] == [sys.executable, "-m", "tokenmill.engine", "task"]
+    assert argv[4:8] == [sys.executable, "-m", "tokenmill.generate.launch", "task"]
     asyncio.run(e.start())
     try:
         launched = e.server_info["launch_command"]

@@ -24,11 +24,6 @@ everything merge accounts for), records_kept, records_rejected (in = kept + reje
 tokenmill.not_generated, tokenmill.generate_rejected, tokenmill.tokenized_rows, and the tokenizer
 and generation fingerprints carried over from the input shards.
 
-JSONL export (--jsonl-out, results/export/{category}/{shard}.jsonl): one line per dataset row,
-same order, `{"input_ids":[...],"loss_mask":[...]}` -- the pre-tokenized format read by
-SpecForge and vLLM speculators (input_ids: prompt + response token ids; loss_mask: 1 where the
-drafter is trained, i.e. on the response).
-
 Everything is vectorized over flattened token arrays and streamed in one pass, in batches of
 contracts.ROW_GROUP_SIZE rows: input row groups are read when a batch first needs them and
 dropped after the last batch that needs them, so memory stays at a few row groups when the
@@ -50,9 +45,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tokenmill import contracts, keys, validate
+from tokenmill import contracts, keys
 from tokenmill.cli import json_arg
-from tokenmill.validate import REASONS, Rules
+from tokenmill.dataset import validate
+from tokenmill.dataset.validate import REASONS, Rules
 
 BATCH_ROWS = contracts.ROW_GROUP_SIZE
 META_RECORDS_IN = "tokenmill.records_in"
@@ -167,18 +163,6 @@ def concat_lists(p_off, p_val, o_off, o_val):
     return off, ids, mask
 
 
-def jsonl_lines(input_ids: pa.ListArray, loss_mask: pa.ListArray) -> str:
-    """JSONL text for a batch, built by Arrow string kernels (no Python loop over tokens)."""
-    if len(input_ids) == 0:
-        return ""
-    ids = pc.binary_join(input_ids.cast(pa.list_(pa.string())), ",")
-    mask = pc.binary_join(loss_mask.cast(pa.list_(pa.string())), ",")
-    lines = pc.binary_join_element_wise(
-        '{"input_ids":[', ids, '],"loss_mask":[', mask, "]}", ""
-    ).to_pylist()
-    return "\n".join(lines) + "\n"
-
-
 def _read_scalar(path, columns) -> pa.Table:
     # ParquetFile.read, not pq.read_table: the latter imports pyarrow.dataset and pandas
     # (~0.2 s of every merge job).
@@ -195,7 +179,6 @@ def merge_shard(
     category: str,
     shard: str,
     generate_rejected: str | os.PathLike | None = None,
-    jsonl_out: str | os.PathLike | None = None,
 ) -> MergeResult:
     """Merge one shard; raises ConservationError when the counts do not add up."""
     res = MergeResult()
@@ -320,86 +303,65 @@ def merge_shard(
     reason_counts = np.zeros(len(REASONS), dtype=np.int64)
     prompts_col = _RowGroupColumn(tokenized, "prompt_ids", batches_t)
     outputs_col = _RowGroupColumn(generated, "output_ids", batches_g)
-    jsonl_tmp = contracts.atomic_path(jsonl_out) if jsonl_out else None
-    try:
-        with (
-            contracts.ParquetWriter(out, contracts.DATASET, "merge", meta) as writer,
-            ThreadPoolExecutor(max_workers=1) as write_pool,
-        ):
-            jsonl_f = open(jsonl_tmp, "w", encoding="utf-8") if jsonl_tmp else None  # noqa: SIM115
-            pending = None
-            try:
-                for b, (gi, ti) in enumerate(zip(batches_g, batches_t, strict=True)):
-                    p_arr, o_arr = prompts_col.take(ti, b), outputs_col.take(gi, b)
-                    p_off, p_val = list_parts(p_arr)
-                    o_off, o_val = list_parts(o_arr)
-                    expected = sample_keys(generation_fp, p_off, p_val)
-                    key_ok = expected == gen_key_np[gi]
-                    reason = validate.validate(
-                        rules, p_val, p_off, o_val, o_off, finish_np[gi], key_ok, dup[gi]
-                    )
-                    reason_counts += np.bincount(reason[reason >= 0], minlength=len(REASONS))
-                    reject_invalid(gi, reason, expected, p_off, o_off, o_val)
-                    ok = reason < 0
-                    res.kept += int(ok.sum())
-                    if not ok.any():
-                        continue
-                    if not ok.all():
-                        keep = pa.array(ok)
-                        p_off, p_val = list_parts(p_arr.filter(keep))
-                        o_off, o_val = list_parts(o_arr.filter(keep))
-                    table = _dataset_batch(
-                        p_off, p_val, o_off, o_val, gi[ok], gen_scalars, category, rules
-                    )
-                    if pending is not None:
-                        pending.result()
-                    pending = write_pool.submit(writer.write, table)
-                    if jsonl_f:
-                        jsonl_f.write(
-                            jsonl_lines(
-                                table.column("input_ids").combine_chunks(),
-                                table.column("loss_mask").combine_chunks(),
-                            )
-                        )
-                if pending is not None:
-                    pending.result()
-            finally:
-                if jsonl_f:
-                    jsonl_f.close()
-            del prompts_col, outputs_col
-
-            res.reasons = {REASONS[i]: int(c) for i, c in enumerate(reason_counts) if c}
-            for r in rejected_rows:
-                if r["reason"] in validate.JOIN_REASONS:
-                    res.reasons[r["reason"]] = res.reasons.get(r["reason"], 0) + 1
-            res.rejected = len(rejected_rows)
-            # Conservation over tokenized prompts (see the module docstring).
-            rej_tok_prompts = {
-                r["prompt_id"] for r in rejected_rows if r["reason"] != "unknown_prompt_id"
-            }
-            accounted = res.kept + len(rej_tok_prompts) + res.generate_rejected
-            if accounted != res.tokenized:
-                raise ConservationError(
-                    f"merge {category}/{shard}: counts do not add up: tokenized={res.tokenized} "
-                    f"!= dataset={res.kept} + merge_rejected_prompts={len(rej_tok_prompts)} + "
-                    f"generate_rejected={res.generate_rejected} (= {accounted}); "
-                    f"generated rows={res.generated}"
-                )
-            writer.add_metadata(
-                {
-                    META_RECORDS_IN: res.generated + res.not_generated,
-                    META_RECORDS_KEPT: res.kept,
-                    META_RECORDS_REJECTED: res.rejected,
-                    "tokenmill.not_generated": res.not_generated,
-                    "tokenmill.generate_rejected": res.generate_rejected,
-                    "tokenmill.tokenized_rows": res.tokenized,
-                }
+    with (
+        contracts.ParquetWriter(out, contracts.DATASET, "merge", meta) as writer,
+        ThreadPoolExecutor(max_workers=1) as write_pool,
+    ):
+        pending = None
+        for b, (gi, ti) in enumerate(zip(batches_g, batches_t, strict=True)):
+            p_arr, o_arr = prompts_col.take(ti, b), outputs_col.take(gi, b)
+            p_off, p_val = list_parts(p_arr)
+            o_off, o_val = list_parts(o_arr)
+            expected = sample_keys(generation_fp, p_off, p_val)
+            key_ok = expected == gen_key_np[gi]
+            reason = validate.validate(
+                rules, p_val, p_off, o_val, o_off, finish_np[gi], key_ok, dup[gi]
             )
-        if jsonl_tmp:
-            os.replace(jsonl_tmp, jsonl_out)
-    finally:
-        if jsonl_tmp:
-            jsonl_tmp.unlink(missing_ok=True)
+            reason_counts += np.bincount(reason[reason >= 0], minlength=len(REASONS))
+            reject_invalid(gi, reason, expected, p_off, o_off, o_val)
+            ok = reason < 0
+            res.kept += int(ok.sum())
+            if not ok.any():
+                continue
+            if not ok.all():
+                keep = pa.array(ok)
+                p_off, p_val = list_parts(p_arr.filter(keep))
+                o_off, o_val = list_parts(o_arr.filter(keep))
+            table = _dataset_batch(p_off, p_val, o_off, o_val, gi[ok], gen_scalars, category, rules)
+            if pending is not None:
+                pending.result()
+            pending = write_pool.submit(writer.write, table)
+        if pending is not None:
+            pending.result()
+        del prompts_col, outputs_col
+
+        res.reasons = {REASONS[i]: int(c) for i, c in enumerate(reason_counts) if c}
+        for r in rejected_rows:
+            if r["reason"] in validate.JOIN_REASONS:
+                res.reasons[r["reason"]] = res.reasons.get(r["reason"], 0) + 1
+        res.rejected = len(rejected_rows)
+        # Conservation over tokenized prompts (see the module docstring).
+        rej_tok_prompts = {
+            r["prompt_id"] for r in rejected_rows if r["reason"] != "unknown_prompt_id"
+        }
+        accounted = res.kept + len(rej_tok_prompts) + res.generate_rejected
+        if accounted != res.tokenized:
+            raise ConservationError(
+                f"merge {category}/{shard}: counts do not add up: tokenized={res.tokenized} "
+                f"!= dataset={res.kept} + merge_rejected_prompts={len(rej_tok_prompts)} + "
+                f"generate_rejected={res.generate_rejected} (= {accounted}); "
+                f"generated rows={res.generated}"
+            )
+        writer.add_metadata(
+            {
+                META_RECORDS_IN: res.generated + res.not_generated,
+                META_RECORDS_KEPT: res.kept,
+                META_RECORDS_REJECTED: res.rejected,
+                "tokenmill.not_generated": res.not_generated,
+                "tokenmill.generate_rejected": res.generate_rejected,
+                "tokenmill.tokenized_rows": res.tokenized,
+            }
+        )
 
     rejected_rows.sort(key=lambda r: (r["prompt_id"] or "", r["reason"], r["record"] or ""))
     contracts.write_table(
@@ -452,14 +414,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--generate-rejected", help="results/rejected/generate/{c}/{s}.parquet")
     parser.add_argument("--out", required=True)
     parser.add_argument("--rejected", required=True)
-    parser.add_argument("--jsonl-out")
     parser.add_argument("--dataset-config", required=True, help="JSON object or JSON file")
     parser.add_argument("--generation-config", required=True, help="JSON object or JSON file")
     parser.add_argument("--tokenizer-config", required=True, help="JSON object or JSON file")
     parser.add_argument("--basedir", default=".")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from tokenmill.tokenizer import load_tokenizer
+    from tokenmill.tokenization.tokenizer import load_tokenizer
 
     ds_cfg = json_arg(args.dataset_config)
     gen_cfg = json_arg(args.generation_config)
@@ -477,7 +438,6 @@ def main(argv: list[str]) -> int:
             args.category,
             args.shard,
             generate_rejected=args.generate_rejected,
-            jsonl_out=args.jsonl_out,
         )
     except ConservationError as exc:
         print(f"tokenmill merge: {exc}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""vLLM's OpenAI-compatible server, token IDs in and out (see shared/reference/vllm-cpu.md).
+"""vLLM's OpenAI-compatible server, token IDs in and out (docs/engines.md).
 
 Request (default): POST /v1/completions {"model", "prompt": [token ids], "max_tokens", ...,
 "return_token_ids": true}; choices[0].token_ids are the output ids. With `--tokens-only` in the
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from tokenmill.engines.base import BadResponse, EngineAPI, get_json, has_flag
+from tokenmill.generate.engines.base import BadResponse, EngineAPI, get_json, has_flag
 
 # common name -> vLLM request field
 SAMPLING_MAP = {

@@ -1,7 +1,7 @@
 """asyncio client for an engine's token-IDs endpoint: one prompt per request, bounded concurrency.
 
 The engine-specific part (request path and body, reading the answer, error bodies) is an
-`EngineAPI` from tokenmill.engines (SGLang's /generate by default, vLLM's /v1/completions).
+`EngineAPI` from tokenmill.generate.engines (SGLang's /generate by default, vLLM's /v1/completions).
 
 A fixed pool of worker coroutines (concurrency per server) pulls prompts from one queue; each
 request goes to the server with the fewest requests in flight. Every finished sample (or 400
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from tokenmill.engines import EngineAPI, SGLangAPI
+from tokenmill.generate.engines import EngineAPI, SGLangAPI
 
 log = logging.getLogger(__name__)
 

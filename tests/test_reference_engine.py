@@ -1,5 +1,5 @@
 """The CPU reference engine (`tokenmill serve-reference`) against the SGLang native API contract
-(shared/reference/sglang-native-api.md). Real servers on 127.0.0.1, serving the committed tiny
+(docs/sglang-api.md). Real servers on 127.0.0.1, serving the committed tiny
 model in sample/model (kimi-shaped; <|im_end|> is the EOS and the model learned to stop on it)."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from tokenmill.reference_server import READY_LINE, SAMPLING_FIELDS
-from tokenmill.sglang import SAMPLING_KEYS
+
+from tokenmill.generate.engines.sglang import SAMPLING_KEYS
+from tokenmill.testing.reference_api import READY_LINE, SAMPLING_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "sample" / "model"

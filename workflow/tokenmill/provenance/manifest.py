@@ -58,8 +58,9 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from tokenmill import contracts, keys
-from tokenmill.secrets import REDACTED, redact
-from tokenmill.sources import expand_paths
+from tokenmill.contracts import sha256_file
+from tokenmill.prepare.sources import expand_paths
+from tokenmill.redaction import REDACTED, redact
 
 SCHEMA = "tokenmill.provenance/1"
 PACKAGES = (
@@ -75,14 +76,6 @@ PACKAGES = (
     "numpy",
     "jinja2",
 )
-
-
-def sha256_file(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def file_entry(path, rel_to=None) -> dict:

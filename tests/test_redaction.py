@@ -1,4 +1,4 @@
-from tokenmill.secrets import REDACTED, is_secret_key, redact
+from tokenmill.redaction import REDACTED, is_secret_key, redact
 
 
 def test_credentials_are_secret_vocabulary_tokens_are_not():

@@ -1,0 +1,1 @@
+"""Stage 4, dataset: merge, validate, export, and the statistics and card of the dataset."""

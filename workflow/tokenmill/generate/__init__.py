@@ -1,0 +1,1 @@
+"""Stage 3, generate: one tokenized shard through the engine, with a crash-safe journal."""

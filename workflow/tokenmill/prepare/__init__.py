@@ -1,0 +1,1 @@
+"""Stage 1, prepare: read a category's sources and normalize every record into a prompt."""

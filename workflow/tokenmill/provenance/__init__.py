@@ -1,0 +1,1 @@
+"""Stage 5, provenance: the manifest of a run, checking a copy against it, reproducing it."""

@@ -1,0 +1,1 @@
+"""Stage 2, tokenize: the target model's tokenizer and chat template turn prompts into ids."""
