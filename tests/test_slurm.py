@@ -566,8 +566,8 @@ def test_requeued_job_restarts_under_its_id_and_resumes(faults):
 
 
 def test_multi_node_launch_gives_each_task_its_rank_and_the_head(pipeline, tmp_path, cluster):
-    """nnodes=2 on a one-node cluster: the launcher prefix (TOKENMILL_LAUNCHER_PREFIX, engine.py)
-    runs the two ranks as two tasks of one srun step on the same node."""
+    """nnodes=2 on a one-node cluster: the launcher prefix (TOKENMILL_LAUNCHER_PREFIX,
+    generate/launch.py) runs the two ranks as two tasks of one srun step on the same node."""
     workdir = fresh_copy(
         pipeline, tmp_path, ["results/generated/code/000*", "results/rejected/generate/code/000*"]
     )

@@ -63,12 +63,12 @@ class Probe:
             os.close(fd)
 
 
-def _patch_reference_server(probe: Probe, delay_s: float) -> None:
+def _patch_reference_api(probe: Probe, delay_s: float) -> None:
     from aiohttp import web
 
-    from tokenmill.testing import reference_api as reference_server
+    from tokenmill.testing import reference_api
 
-    make_app = reference_server.make_app
+    make_app = reference_api.make_app
 
     @web.middleware
     async def probe_middleware(request, handler):
@@ -89,17 +89,17 @@ def _patch_reference_server(probe: Probe, delay_s: float) -> None:
         app.middlewares.append(probe_middleware)
         return app
 
-    reference_server.make_app = probed_make_app
-    serve = reference_server.serve
+    reference_api.make_app = probed_make_app
+    serve = reference_api.serve
 
     async def probed_serve(args):
-        # reference_server.main ends with os._exit (no finally runs after it): log here.
+        # reference_api.main ends with os._exit (no finally runs after it): log here.
         try:
             return await serve(args)
         finally:
             probe.write("stop")
 
-    reference_server.serve = probed_serve
+    reference_api.serve = probed_serve
 
 
 def _wait_for_sigterm() -> int:
@@ -133,10 +133,10 @@ def main(argv: list[str]) -> int:
             return _wait_for_sigterm()
         finally:
             probe.write("stop")
-    _patch_reference_server(probe, float(_env("TOKENMILL_PROBE_DELAY_S") or 0))
-    from tokenmill.testing import reference_api as reference_server
+    _patch_reference_api(probe, float(_env("TOKENMILL_PROBE_DELAY_S") or 0))
+    from tokenmill.testing import reference_api
 
-    return reference_server.main(server_args)
+    return reference_api.main(server_args)
 
 
 if __name__ == "__main__":
