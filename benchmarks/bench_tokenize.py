@@ -8,7 +8,7 @@ one) for the tiny Kimi-shaped tokenizer, then times, best of --repeat (runs inte
   floor : render every chat template (tokenize=False) and batch-encode the rendered texts
           with the fast tokenizer (ids only, no attention masks), in memory: no Parquet,
           no sharding, no rejections;
-  stage : tokenize.tokenize_category end to end (load the tokenizer, fingerprint, read the
+  stage : tok_stage.tokenize_category end to end (load the tokenizer, fingerprint, read the
           prompts Parquet by batches, encode, shard, spill, write every shard + rejected file)
           with each --processes value (1: in process, Rust batch encode on all cores and a
           thread that shards and writes; K > 1: K spawned processes, each encoding serially).
@@ -33,9 +33,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
 import pyarrow as pa  # noqa: E402
 
-from tokenmill import contracts, prepare, tokenize  # noqa: E402
+from tokenmill import contracts  # noqa: E402
+from tokenmill.prepare import stage as prepare_stage  # noqa: E402
 from tokenmill.prepare.formats import prompt_id  # noqa: E402
 from tokenmill.testing.tiny_model import build_tiny_tokenizer  # noqa: E402
+from tokenmill.tokenization import stage as tok_stage  # noqa: E402
 from tokenmill.tokenization.tokenizer import load_tokenizer  # noqa: E402
 
 _TEXT = (
@@ -89,7 +91,7 @@ def write_prompts(path: Path, convs) -> list[tuple[list, list | None]]:
     rows = {}
     for i, (messages, tools) in enumerate(convs):
         pid = prompt_id(messages, tools)
-        rows[pid] = prepare.prompt_row(pid, f"bench:{i}", messages, tools)
+        rows[pid] = prepare_stage.prompt_row(pid, f"bench:{i}", messages, tools)
     ordered = [rows[p] for p in sorted(rows)]
     table = pa.Table.from_pylist(ordered, schema=contracts.PROMPTS)
     contracts.write_table(table, path, contracts.PROMPTS, "prepare")
@@ -146,19 +148,19 @@ def main() -> int:
         convs = write_prompts(prompts, conversations(args.prompts))
         n = len(convs)
         tok = load_tokenizer(cfg)
-        floor(tok, convs[:64], kwargs, tokenize.CHUNK_ROWS)  # warm up the template cache
+        floor(tok, convs[:64], kwargs, tok_stage.CHUNK_ROWS)  # warm up the template cache
         load_before = os.getloadavg()[0]
 
         best: dict[str, tuple[float, float]] = {}
         tokens = None
         for r in range(args.repeat):
-            tokens, wall, cpu = timed(lambda: floor(tok, convs, kwargs, tokenize.CHUNK_ROWS))
+            tokens, wall, cpu = timed(lambda: floor(tok, convs, kwargs, tok_stage.CHUNK_ROWS))
             best["floor"] = min(best.get("floor", (wall, cpu)), (wall, cpu))
             for procs in args.processes:
                 out = tmp / f"out_{procs}_{r}"
                 rejected = tmp / f"rejected_{procs}_{r}.parquet"
                 summary, wall, cpu = timed(
-                    lambda out=out, rejected=rejected, procs=procs: tokenize.tokenize_category(
+                    lambda out=out, rejected=rejected, procs=procs: tok_stage.tokenize_category(
                         prompts, "bench", args.shards, cfg, 1_000_000, out, rejected, workers=procs
                     )
                 )
