@@ -10,6 +10,14 @@ Every /generate received is counted: GET /stats, and one line per request append
 Launchable as a managed-mode command:
     {python} tests/fake_sglang.py --model-path {model} --host {host} --port {port} [faults]
 
+--sglang-version picks whose answers it gives where releases differ (docs/sglang-api.md):
+"0.5.23" (default, read from the source): an unknown sampling key is a JSON 400, /model_info has
+served_model_name. "0.5.16" (measured on a real server): no served_model_name in /model_info, an
+unknown or ill-typed sampling key (beam_width, watermark, seed, ...) is a plain-text 500, a float
+max_new_tokens kills the server. In both: a rid still in flight is a 400 "Duplicate request ID
+detected", sampling_seed is ignored (not echoed in meta_info) unless the server runs with
+--enable-deterministic-inference, and a prompt id >= --vocab-size kills the whole server.
+
 With --api vllm it speaks vLLM's shapes instead (POST /v1/completions with a token-ID prompt and
 return_token_ids, GET /v1/models and /version), same outputs and faults; EOS (--eos-id) is
 reported like vLLM does: stop_reason null, the EOS as the last token.
@@ -35,6 +43,9 @@ SAMPLING_KEYS = {
     "sampling_seed", "stream_interval", "custom_params", "beam_width", "watermark",
 }  # fmt: skip
 
+# 0.5.16 refuses these with a plain-text 500 (a TypeError inside the server).
+NOT_IN_0_5_16 = {"beam_width", "watermark"}
+
 REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
            500: "Internal Server Error", 503: "Service Unavailable"}  # fmt: skip
 
@@ -55,12 +66,14 @@ class Fake:
         self.count = 0
         self.started = time.monotonic()
         self.counter = open(args.counter_file, "a") if args.counter_file else None  # noqa: SIM115
+        self.in_flight: set[str] = set()
+        self.old = args.sglang_version == "0.5.16"
 
     def ready(self) -> bool:
         return time.monotonic() - self.started >= self.a.startup_delay
 
     def model_info(self) -> dict:
-        return {
+        info = {
             "model_path": self.a.model_path,
             "served_model_name": self.a.served_model_name or self.a.model_path,
             "tokenizer_path": self.a.model_path,
@@ -68,22 +81,45 @@ class Fake:
             "preferred_sampling_params": None,
             "weight_version": "default",
         }
+        if self.old:  # as measured: no served_model_name
+            del info["served_model_name"]
+            info.update(has_image_understanding=False, has_audio_understanding=False,
+                        model_type="qwen2", architectures=["Qwen2ForCausalLM"])  # fmt: skip
+        return info
 
     def server_info(self) -> dict:
         return {
             "model_path": self.a.model_path,
+            "served_model_name": self.a.served_model_name or self.a.model_path,
+            "skip_tokenizer_init": self.a.skip_tokenizer_init,
+            "enable_deterministic_inference": self.a.enable_deterministic_inference,
             "tp_size": 1,
             "port": self.a.port,
             "api_key": self.a.api_key,
             "hf_token": "hf_should_not_leak",
             "max_total_num_tokens": 4096,
             "launch_command": " ".join(sys.argv),
-            "version": "0.5.23-fake",
+            "version": self.a.sglang_version,
             "internal_states": [{"last_gen_throughput": 0.0}],
         }
 
     async def generate(self, body: bytes):
         """-> (status, payload) or 'reset' / 'hang' / 'die'."""
+        rid = None
+        with contextlib.suppress(ValueError, AttributeError):
+            rid = json.loads(body).get("rid")
+        if rid is not None and rid in self.in_flight:
+            self.count += 1
+            msg = f"Duplicate request ID detected: {rid}"
+            return 400, {"error": {"message": msg}}
+        if rid is not None:
+            self.in_flight.add(rid)
+        try:
+            return await self._generate(body)
+        finally:
+            self.in_flight.discard(rid)
+
+    async def _generate(self, body: bytes):
         self.count += 1
         n = self.count
         a = self.a
@@ -113,6 +149,15 @@ class Fake:
             return "die"
         if n <= a.exit_first:
             return "die"
+        if a.vocab_size is not None and any(not 0 <= t < a.vocab_size for t in ids):
+            print(f"fake sglang: token id out of vocabulary {a.vocab_size}: scheduler dies",
+                  flush=True)  # fmt: skip
+            return "die"
+        if n <= a.duplicate_rid_first:  # as if another process had this rid in flight
+            return 400, {"error": {"message": f"Duplicate request ID detected: {req.get('rid')}"}}
+        if n <= a.fail_400:
+            msg = "stop=['x'] is unavailable when skip_tokenizer_init=True"
+            return 400, {"error": {"message": msg}}
         if n <= a.reset_first:
             return "reset"
         if n <= a.hang_first:
@@ -123,11 +168,29 @@ class Fake:
         if n <= a.fail_500:
             return 500, "Internal Server Error"
         sp = req.get("sampling_params") or {}
-        unknown = [k for k in sp if k not in SAMPLING_KEYS]
+        accepted = SAMPLING_KEYS - NOT_IN_0_5_16 if self.old else SAMPLING_KEYS
+        unknown = [k for k in sp if k not in accepted]
+        if unknown and self.old:
+            return 500, "Internal Server Error"
         if unknown:
             return 400, {"error": f"unknown field `{unknown[0]}`, expected one of ..."}
+        if self.old and isinstance(sp.get("max_new_tokens"), float):
+            return "die"
         if not ids:
             return 400, {"error": {"message": "input_ids cannot be empty."}}
+        ctx, max_new = a.context_length, sp.get("max_new_tokens", 128)
+        if ctx and len(ids) >= ctx:
+            msg = (f"The input ({len(ids)} tokens) is longer than the model's context length "
+                   f"({ctx} tokens).")  # fmt: skip
+            return 400, {"error": {"message": msg}}
+        if ctx and len(ids) + max_new > ctx:
+            msg = (f"Requested token count exceeds the model's maximum context length of {ctx} "
+                   f"tokens. You requested a total of {len(ids) + max_new} tokens")  # fmt: skip
+            return 400, {"error": {"message": msg}}
+        if ids[0] in a.error_first_token:
+            return 500, "Internal Server Error"
+        if ids[0] in a.hang_first_token:
+            return "hang"
         if ids[0] in a.reject_first_token:
             shape = ids[0] % 3
             msg = f"Input length ({len(ids)} tokens) exceeds the maximum allowed length"
@@ -141,9 +204,8 @@ class Fake:
             await asyncio.sleep(a.latency)
         while (limit := hold_limit(a.hold_file)) is not None and n > limit:
             await asyncio.sleep(0.02)  # held: a kill test's interruption lands mid-shard
-        max_new = sp.get("max_new_tokens", 128)
         out, finish = fake_output(ids, max_new, sp.get("stop_token_ids") or [])
-        if n <= a.abort_first:
+        if n <= a.abort_first or ids[0] in a.abort_first_token:
             out, finish = out[:1], {"type": "abort", "message": "Aborted", "status_code": None,
                                     "err_type": None}  # fmt: skip
         meta = {
@@ -155,8 +217,8 @@ class Fake:
             "weight_version": "default",
             "e2e_latency": a.latency,
         }
-        if "sampling_seed" in sp:
-            meta["sampling_seed_seen"] = sp["sampling_seed"]
+        if "sampling_seed" in sp and a.enable_deterministic_inference:
+            meta["sampling_seed_seen"] = sp["sampling_seed"]  # without the flag: ignored
         return 200, {"output_ids": out, "meta_info": meta}
 
     async def vllm_completions(self, body: bytes):
@@ -329,6 +391,16 @@ def parse_args(argv):
     p.add_argument("--reject-first-token", type=int, action="append", default=[],
                    help="400 for prompts whose first token is this")  # fmt: skip
     p.add_argument("--skip-tokenizer-init", action="store_true")
+    p.add_argument("--sglang-version", default="0.5.23", choices=["0.5.23", "0.5.16"])
+    p.add_argument("--enable-deterministic-inference", action="store_true")
+    p.add_argument("--vocab-size", type=int, default=None, help="a prompt id >= this: die")
+    p.add_argument("--context-length", type=int, default=0, help="400 past it (0: none)")
+    p.add_argument("--duplicate-rid-first", type=int, default=0,
+                   help="first N: 400 Duplicate request ID")  # fmt: skip
+    p.add_argument("--fail-400", type=int, default=0, help="first N: 400 not blaming the prompt")
+    for what in ("error", "abort", "hang"):
+        p.add_argument(f"--{what}-first-token", type=int, action="append", default=[],
+                       help=f"prompts whose first token is this: always {what}")  # fmt: skip
     p.add_argument("--api", choices=["sglang", "vllm"], default="sglang")
     p.add_argument("--eos-id", type=int, default=None, help="vllm: EOS when no stop ids are sent")
     p.add_argument("--model", dest="model_path", help="vLLM's spelling of --model-path")

@@ -1,30 +1,67 @@
-"""Client against the fake SGLang server over real HTTP on 127.0.0.1: every error path."""
+"""Client against the fake SGLang server over real HTTP on 127.0.0.1: every error path.
+
+The SGLang tests run against both of the fake's modes: "0.5.23" (read from SGLang's source) and
+"0.5.16" (the answers measured on a real 0.5.16 server, docs/sglang-api.md).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 
 import fake_sglang
 import pytest
 
-from tokenmill.generate.client import Client, ClientOptions, GenerationFailed, Item
+from tokenmill.generate import client as client_mod
+from tokenmill.generate.client import (
+    Client,
+    ClientOptions,
+    FailFast,
+    GenerationFailed,
+    Item,
+    TooManyRejections,
+)
 from tokenmill.generate.engines import sglang
+from tokenmill.generate.engines.base import EngineAPI
 from tokenmill.generate.launch import free_port
 
+VERSIONS = ["0.5.23", "0.5.16"]
 
-@pytest.fixture
-def server(tmp_path):
+
+@pytest.fixture(params=VERSIONS)
+def sglang_version(request):
+    return request.param
+
+
+def _server_factory(tmp_path, version_flags):
     procs = []
 
     def _start(*flags, api_key=None):
         port = free_port()
         counter = tmp_path / f"count.{port}"
         extra = ["--counter-file", str(counter)] + (["--api-key", api_key] if api_key else [])
-        procs.append(fake_sglang.start(port, *flags, *extra))
+        procs.append(fake_sglang.start(port, *version_flags, *flags, *extra))
         return f"http://127.0.0.1:{port}", counter
 
-    yield _start
+    return _start, procs
+
+
+@pytest.fixture
+def server(tmp_path, sglang_version):
+    """The fake SGLang server in each version's mode."""
+    start, procs = _server_factory(tmp_path, ["--sglang-version", sglang_version])
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait(timeout=10)
+
+
+@pytest.fixture
+def vserver(tmp_path):
+    """The fake for the vLLM tests (their version mode does not matter)."""
+    start, procs = _server_factory(tmp_path, [])
+    yield start
     for p in procs:
         p.kill()
         p.wait(timeout=10)
@@ -75,7 +112,8 @@ def test_happy_path_keeps_stop_token_and_fields(server):
 )
 def test_transient_errors_are_retried(server, flags):
     url, counter = server(*flags)
-    recs, stats = _run([url], _opts(concurrency=2, max_attempts=8), _items(10))
+    # The retries themselves are tested here: leading identical 500s now fail fast (below).
+    recs, stats = _run([url], _opts(concurrency=2, max_attempts=8, fail_fast_after=0), _items(10))
     assert sorted(r["prompt_id"] for r in recs) == [f"p{i:02d}" for i in range(10)]
     assert all(r["status"] == "ok" and r["finish_type"] == "stop" for r in recs)
     assert stats.retries == 6
@@ -102,17 +140,164 @@ def test_400_rejects_one_prompt_with_message_all_shapes(server):
         assert by[pid]["message"].startswith("Input length (3 tokens) exceeds")
 
 
-def test_exhausted_attempts_fail_naming_the_prompt(server):
+# Behaviour change (issue 11): a prompt that exhausts its attempts on answers of the engine
+# (5xx, aborts, timeouts) used to fail the whole run; it is now an engine_error row with the last
+# error, and the rest of the shard is generated.
+@pytest.mark.parametrize(
+    "flag, said",
+    [
+        ("--error-first-token", "HTTP 500: Internal Server Error"),
+        ("--abort-first-token", "finish_reason abort"),
+        ("--hang-first-token", "timeout"),
+    ],
+)
+def test_prompt_the_engine_never_answers_becomes_engine_error(server, flag, said):
+    url, counter = server(flag, "3")
+    items = [Item(f"p{t}", f"{t:032x}", [t, 9, 9]) for t in (3, 4, 5, 6)]
+    recs, stats = _run([url], _opts(max_attempts=3, request_timeout_s=0.5), items)
+    by = {r["prompt_id"]: r for r in recs}
+    assert by["p3"]["status"] == "error" and said in by["p3"]["message"]
+    assert by["p3"]["attempts"] == 3 and client_mod.REASONS["error"] == "engine_error"
+    assert all(by[p]["status"] == "ok" for p in ("p4", "p5", "p6"))
+    assert stats.errors == 1 and stats.rejected == 0
+    assert fake_sglang.count_requests(counter) == 3 + 3
+
+
+def test_always_503_prompt_is_an_engine_error_naming_the_last_error(server):
     url, counter = server("--fail-503", "1000")
-    with pytest.raises(GenerationFailed, match=r"prompt p00 .*3 attempts.*HTTP 503.*queue is full"):
-        _run([url], _opts(max_attempts=3, concurrency=1), _items(1))
+    recs, stats = _run([url], _opts(max_attempts=3, concurrency=1), _items(1))
+    assert (
+        recs[0]["status"] == "error"
+        and "HTTP 503: The request queue is full" in (recs[0]["message"])
+    )
     assert fake_sglang.count_requests(counter) == 3
 
 
-def test_connection_refused_is_retried_then_fails():
+def test_connection_refused_is_retried_then_fails_the_run():
+    # A dead or unreachable engine is a job failure, never rows of engine_error.
     url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(GenerationFailed, match="p00"):
+    with pytest.raises(GenerationFailed, match=r"p00 .*engine unreachable"):
         _run([url], _opts(max_attempts=2), _items(1))
+
+
+def test_request_ids_are_unique_per_process_and_attempt(server):
+    url, counter = server("--fail-503", "2")
+    _run([url], _opts(concurrency=1), _items(2))
+    rids = [json.loads(x)["rid"] for x in counter.read_text().splitlines()]
+    assert len(rids) == 4 and len(set(rids)) == 4  # two retries of p00 included
+    assert all(
+        r.startswith(f"{i:032x}-{client_mod.NONCE}-")
+        for r, i in zip(rids, [0, 0, 0, 1], strict=True)
+    )
+
+
+def test_fake_refuses_a_rid_still_in_flight(server):
+    """The fake answers a duplicate in-flight rid as SGLang does (the old client's collision)."""
+    url, counter = server("--latency", "2.0")
+    body = json.dumps({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4},
+                       "rid": "dup-1"}).encode()  # fmt: skip
+
+    def post():
+        req = urllib.request.Request(url + "/generate", data=body, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    async def both():
+        first = asyncio.create_task(asyncio.to_thread(post))
+        while fake_sglang.count_requests(counter) < 1:  # the first one is in flight
+            await asyncio.sleep(0.01)
+        return await asyncio.gather(first, asyncio.to_thread(post))
+
+    (s1, _), (s2, b2) = asyncio.run(both())
+    assert s1 == 200 and s2 == 400
+    assert b2 == {"error": {"message": "Duplicate request ID detected: dup-1"}}
+    (s3, _) = post()  # reusing a rid after it finished is fine
+    assert s3 == 200
+
+
+def test_duplicate_request_id_is_retried_never_a_rejection(server):
+    url, counter = server("--duplicate-rid-first", "3")
+    recs, stats = _run([url], _opts(concurrency=1), _items(3))
+    assert [r["status"] for r in recs] == ["ok"] * 3
+    assert stats.rejected == 0 and stats.retries == 3
+    assert fake_sglang.count_requests(counter) == 6
+
+
+def test_two_runs_with_the_same_prompts_at_once_lose_nothing(server):
+    # Two categories with the same prompts against one server, concurrently: with rids made
+    # of the sample key and the attempt, the second run's requests were 400 "Duplicate request
+    # ID" and became permanent rejections.
+    url, counter = server("--latency", "0.2")
+    recs: list[dict] = []
+
+    async def both():
+        a = Client([url], _opts(), recs.append).run(_items(8))
+        b = Client([url], _opts(), recs.append).run(_items(8))
+        return await asyncio.gather(a, b)
+
+    asyncio.run(both())
+    assert len(recs) == 16 and {r["status"] for r in recs} == {"ok"}
+    assert fake_sglang.count_requests(counter) == 16
+
+
+def test_400_not_blaming_the_prompt_is_retried_then_fails_the_run(server):
+    url, counter = server("--fail-400", "1000")
+    with pytest.raises(
+        GenerationFailed, match=r"p00 .*3 attempts \(refused\).*skip_tokenizer_init"
+    ):
+        _run([url], _opts(max_attempts=3, fail_fast_after=0), _items(1))
+    assert fake_sglang.count_requests(counter) == 3
+
+
+@pytest.mark.parametrize("flags", [["--fail-500", "1000"], ["--fail-400", "1000"]])
+def test_same_error_on_the_first_requests_fails_fast(server, flags):
+    url, counter = server(*flags)
+    with pytest.raises(FailFast, match=r"the first \d+ requests .*same answer, HTTP (500|400)"):
+        _run([url], _opts(max_attempts=8, concurrency=4), _items(20))
+    # 20 prompts x 8 attempts would be 160 requests; a few in flight when it stopped
+    assert fake_sglang.count_requests(counter) <= 8
+
+
+def test_unknown_sampling_key_fails_fast_in_both_versions(server, sglang_version):
+    # 0.5.16: a plain-text 500 on every request; 0.5.23: a JSON 400 "unknown field".
+    url, counter = server()
+    opts = _opts(sampling={"max_new_tokens": 8, "foo": 1}, concurrency=2)
+    status = "500" if sglang_version == "0.5.16" else "400"
+    with pytest.raises(FailFast, match=f"HTTP {status}"):
+        _run([url], opts, _items(20))
+    assert fake_sglang.count_requests(counter) <= 4
+
+
+def test_fail_fast_disarmed_by_a_success(server):
+    # one prompt keeps failing with 500 while the others succeed: a bad prompt, not a bad
+    # config: it becomes an engine_error row
+    url, _ = server("--error-first-token", "3", "--latency", "0.05")
+    items = [Item(f"p{t}", f"{t:032x}", [t, 9, 9]) for t in (4, 5, 3, 6)]
+    recs, stats = _run([url], _opts(max_attempts=4, concurrency=1), items)
+    assert stats.errors == 1 and stats.done == 4
+
+
+def test_systemic_rejections_stop_the_run(server, sglang_version):
+    # every prompt too long for the context (an all-400 config): the run stops once
+    # min_count prompts are refused, it does not walk through the whole shard
+    url, counter = server("--context-length", "8")
+    opts = _opts(sampling={"max_new_tokens": 16}, concurrency=2, reject_min_count=5)
+    with pytest.raises(TooManyRejections, match=r"(?s)5 of \d+ prompts refused.*context length"):
+        _run([url], opts, _items(60))
+    assert fake_sglang.count_requests(counter) <= 8
+
+
+def test_one_rejection_in_a_tiny_shard_passes_but_an_all_rejected_shard_fails(server):
+    url, _ = server("--reject-first-token", "3")
+    one_bad = [Item(f"p{t}", f"{t:032x}", [t, 9, 9]) for t in (3, 4, 5)]
+    recs, stats = _run([url], _opts(), one_bad)
+    assert stats.rejected == 1 and stats.done == 3
+    all_bad = [Item(f"q{i}", f"{i:031x}a", [3, i, 9]) for i in range(3)]
+    with pytest.raises(TooManyRejections, match="nothing in the shard was generated"):
+        _run([url], _opts(), all_bad)
 
 
 def test_api_key_sent_and_401_is_fatal(server):
@@ -167,6 +352,42 @@ def test_validate_sampling():
         sglang.validate_sampling({"max_new_tokens": 8, "stop_token_ids": [1]}, False)
 
 
+def test_which_400s_blame_the_prompt():
+    # The 400 messages of SGLang 0.5.16 (measured), 0.5.23 / the reference engine, vLLM 0.32.
+    final = [
+        "The input (5000 tokens) is longer than the model's context length (4096 tokens).",
+        "Requested token count exceeds the model's maximum context length of 4096 tokens.",
+        "Input length (9 tokens) exceeds the maximum allowed length (8 tokens). Use a shorter "
+        "input or enable --allow-auto-truncate.",
+        "This model's maximum context length is 2048 tokens. However, you requested 3000 tokens",
+        "Token id 900 in input_ids is out of the vocabulary (vocab size 720).",
+        "input_ids cannot be empty.",
+    ]
+    retried = [
+        "Duplicate request ID detected: dup-1",
+        "stop=['x'] is unavailable when skip_tokenizer_init=True",
+        "min_new_tokens=2 is unavailable when skip_tokenizer_init=True",
+        "top_p must be in (0, 1], got 0.0.",
+        "unknown field `seed`, expected one of `max_new_tokens`, ...",
+        "Input should be a valid dictionary",
+    ]
+    assert all(EngineAPI.prompt_at_fault(m) for m in final)
+    assert not any(EngineAPI.prompt_at_fault(m) for m in retried)
+
+
+def test_sampling_keys_checked_against_the_server_version():
+    for version in ("0.5.16", "0.5.16.post1", "0.5.22"):
+        for key in ("beam_width", "watermark"):
+            with pytest.raises(
+                ValueError, match=rf"sampling.{key}: not accepted by SGLang {version}"
+            ):
+                sglang.check_sampling_version({"max_new_tokens": 8, key: 1}, version)
+    for version in ("0.5.23", "0.5.23-fake", "0.6.0", "tokenmill-reference-0.1", None):
+        sglang.check_sampling_version({"max_new_tokens": 8, "beam_width": 1}, version)
+    sglang.check_sampling_version({"max_new_tokens": 8, "temperature": 0.5}, "0.5.16")
+    assert sglang.parse_version("0.5.16") == (0, 5, 16) and sglang.parse_version("x") is None
+
+
 def test_error_message_shapes_and_parse():
     assert sglang.error_message(b'{"error": "unknown field `seed`"}') == "unknown field `seed`"
     assert sglang.error_message(b'{"error": {"message": "too long"}}') == "too long"
@@ -184,10 +405,10 @@ def test_error_message_shapes_and_parse():
 # ---------------------------------------------------------------------------- vLLM
 
 
-def test_vllm_client_over_fake_vllm(server):
+def test_vllm_client_over_fake_vllm(vserver):
     from tokenmill.generate.engines import VLLMAPI
 
-    url, counter = server("--api", "vllm", "--eos-id", "4", "--fail-503", "2")
+    url, counter = vserver("--api", "vllm", "--eos-id", "4", "--fail-503", "2")
     api = VLLMAPI({"engine": "vllm", "mode": "external"})
     api.remember(url, {"served_model_name": "tiny"})
     items = [Item("a", "f" * 32, [7, 8], seed=123), Item("b", "e" * 32, [7, 9, 1])]
@@ -202,10 +423,10 @@ def test_vllm_client_over_fake_vllm(server):
     assert stats.retries == 2 and stats.done == 2  # the 503s were retried
 
 
-def test_vllm_eos_and_stop_token_mapping(server):
+def test_vllm_eos_and_stop_token_mapping(vserver):
     from tokenmill.generate.engines import VLLMAPI
 
-    url, _ = server("--api", "vllm", "--eos-id", "4")
+    url, _ = vserver("--api", "vllm", "--eos-id", "4")
     api = VLLMAPI({"engine": "vllm"})
     recs = []
     # no stop_token_ids: the fake stops on EOS, stop_reason null -> matched id = last token
@@ -219,10 +440,10 @@ def test_vllm_eos_and_stop_token_mapping(server):
     assert {(r["finish_matched_id"], r["output_ids"][-1]) for r in recs} == {(2, 2)}
 
 
-def test_vllm_400_is_a_rejection_with_message(server):
+def test_vllm_400_is_a_rejection_with_message(vserver):
     from tokenmill.generate.engines import VLLMAPI
 
-    url, _ = server("--api", "vllm", "--reject-first-token", "3")
+    url, _ = vserver("--api", "vllm", "--reject-first-token", "3")
     recs = []
     items = [Item("p3", "3" * 32, [3, 9, 9]), Item("p6", "6" * 32, [6, 9, 9])]
     asyncio.run(Client([url], _opts(), recs.append, api=VLLMAPI()).run(items))

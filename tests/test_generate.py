@@ -1,4 +1,8 @@
-"""`tokenmill generate` end to end over real HTTP: resume after kills, restarts, no leaks."""
+"""`tokenmill generate` end to end over real HTTP: resume after kills, restarts, no leaks.
+
+Tests marked with `version` run against both modes of the fake server: SGLang 0.5.23 as read
+from its source and 0.5.16 as measured (docs/sglang-api.md).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import fake_sglang
@@ -19,6 +24,9 @@ import pytest
 from tokenmill import contracts
 from tokenmill.generate import journal
 from tokenmill.generate.launch import free_port
+
+VERSIONS = ["0.5.23", "0.5.16"]
+both_versions = pytest.mark.parametrize("version", VERSIONS)
 
 
 def write_tokenized(path, prompts: dict[str, list[int]]):
@@ -38,8 +46,12 @@ def prompts(n: int) -> dict[str, list[int]]:
 
 
 class Run:
-    def __init__(self, tmp: Path, *fake_flags, n=30, mode="managed", urls=(), **gen_over):
+    def __init__(
+        self, tmp: Path, *fake_flags, n=30, mode="managed", urls=(), version=None, **gen_over
+    ):
         self.tmp = tmp
+        if version:
+            fake_flags = (*fake_flags, "--sglang-version", version)
         self.counter = tmp / "requests.jsonl"
         self.tokenized = tmp / "t.parquet"
         write_tokenized(self.tokenized, prompts(n))
@@ -132,8 +144,9 @@ def _complete(r: Run, n: int):
     return g, rej
 
 
-def test_complete_shard_then_rerun_starts_no_engine_and_is_identical(tmp_path):
-    r = Run(tmp_path, "--reject-first-token", "105")
+@both_versions
+def test_complete_shard_then_rerun_starts_no_engine_and_is_identical(tmp_path, version):
+    r = Run(tmp_path, "--reject-first-token", "105", version=version)
     out = r.run()
     assert "progress 30/30" in out
     g, rej = _complete(r, 30)
@@ -209,9 +222,11 @@ def test_sigterm_client_flushes_journal_stops_engine(tmp_path):
     _complete(r, 60)
 
 
-def test_server_dies_mid_shard_is_restarted(tmp_path):
+@both_versions
+def test_server_dies_mid_shard_is_restarted(tmp_path, version):
     marker = tmp_path / "died"
-    r = Run(tmp_path, "--latency", "0.05", "--die-after", "10", "--die-marker", str(marker), n=40)
+    flags = ("--latency", "0.05", "--die-after", "10", "--die-marker", str(marker))
+    r = Run(tmp_path, *flags, n=40, version=version)
     out = r.run()
     assert marker.exists() and "restart 1" in out
     g, _ = _complete(r, 40)
@@ -242,10 +257,14 @@ def test_exit_at_start_fails_fast(tmp_path):
     assert "failing at start" in out and "code 3" in out
 
 
+# Behaviour change (issue 11): each prompt that exhausts its attempts on 503s is an engine_error
+# row now; a shard where every prompt ended so fails through the rejection guard, naming them.
 def test_retries_exhausted_names_prompt(tmp_path):
     r = Run(tmp_path, "--fail-503", "1000", n=3, concurrency=1)
     out = r.run(expect_rc=1)
-    assert re.search(r"prompt p00\d .*failed after 3 attempts.*503", out), out
+    assert "3 of 3 prompts refused" in out and "nothing in the shard was generated" in out
+    assert re.search(r"p00\d: engine_error: .*HTTP 503: The request queue is full", out), out
+    assert r.requests() == 9 and r.journaled() == 0
 
 
 def test_torn_journal_line_is_dropped_and_regenerated(tmp_path):
@@ -265,23 +284,153 @@ def test_bad_sampling_key_fails_before_any_request(tmp_path):
     assert "sampling_seed" in out and r.requests() == 0
 
 
-def test_per_sample_seed_sent(tmp_path):
-    r = Run(tmp_path, n=5, seed_policy="per_sample")
+@both_versions
+def test_per_sample_seed_sent(tmp_path, version):
+    flag = "--enable-deterministic-inference"
+    r = Run(tmp_path, flag, n=5, seed_policy="per_sample", version=version)
     r.run()
     lines = [json.loads(x) for x in r.counter.read_text().splitlines()]
     keys = {row["sample_key"] for row in r.result()[0].to_pylist()}
     seeds = {x["sp"]["sampling_seed"] for x in lines}
     assert seeds == {int(k[:15], 16) for k in keys}
+    assert r.meta()["seeds_honoured"] is True
 
 
-def test_external_two_servers_api_key_never_leaks(tmp_path):
+@both_versions
+def test_per_sample_seed_refused_by_a_server_that_ignores_seeds(tmp_path, version):
+    r = Run(tmp_path, n=5, seed_policy="per_sample", version=version)
+    out = r.run(expect_rc=1)
+    assert "seed_policy: per_sample needs an SGLang server started with" in out
+    assert "--enable-deterministic-inference" in out and r.requests() == 0
+    r.gen["allow_ignored_seeds"] = True  # the opt-out: runs, and says so in meta/provenance
+    r.run()
+    assert r.meta()["seeds_honoured"] is False
+    assert _complete(r, 5)[0].num_rows == 5
+
+
+@both_versions
+def test_all_400_shard_fails_loudly_and_caches_no_rejection(tmp_path, version):
+    # max_new_tokens too large for the server's context: every request is a 400 that blames
+    # the prompt. The job fails with the counts and the first messages, journals nothing, and
+    # the same config against a server that can answer generates every prompt.
+    r = Run(tmp_path, "--context-length", "20", n=30, version=version)
+    out = r.run(expect_rc=1)
+    assert re.search(r"\d+ of \d+ prompts refused by the engine \(\d+% > ", out), out
+    assert "exceeds the model's maximum context length" in out
+    assert not r.out["g.parquet"].exists() and r.journaled() == 0
+    assert r.requests() < 30  # stopped early
+    before = r.requests()
+    r.gen["launch"]["command"].remove("--context-length")
+    r.gen["launch"]["command"].remove("20")
+    r.run()
+    assert r.requests() - before == 30
+    assert _complete(r, 30)[0].num_rows == 30
+
+
+def test_prompt_the_engine_never_answers_is_an_engine_error_row_retried_next_run(tmp_path):
+    r = Run(tmp_path, "--error-first-token", "105", n=20)
+    r.run()
+    g, rej = _complete(r, 20)
+    (row,) = rej.to_pylist()
+    assert row["prompt_id"] == "p005" and row["reason"] == "engine_error"
+    assert "HTTP 500: Internal Server Error" in row["detail"]
+    assert r.meta()["counts"]["engine_errors"] == 1
+    assert r.requests() == 19 + 3 and r.journaled() == 19  # the error is not journaled
+    r.run()  # a later run of the shard tries that prompt again, and only it
+    assert r.requests() == 19 + 3 + 3
+
+
+@both_versions
+def test_same_500_on_every_request_fails_fast_with_the_engine_log(tmp_path, version):
+    r = Run(tmp_path, "--fail-500", "100000", n=40, version=version, concurrency=8)
+    r.gen["retry"]["max_attempts"] = 8
+    t0 = time.monotonic()
+    out = r.run(expect_rc=1)
+    assert "all failed with the same answer, HTTP 500: 'Internal Server Error'" in out
+    assert "last lines of the engine log" in out and "fake sglang listening" in out
+    assert r.requests() <= 8 + 3  # not 40 prompts x 8 attempts
+    assert time.monotonic() - t0 < 30
+
+
+@both_versions
+def test_sampling_key_the_server_version_refuses(tmp_path, version):
+    r = Run(tmp_path, n=4, version=version, sampling={"max_new_tokens": 8, "beam_width": 1})
+    if version == "0.5.16":  # it would answer every request with a plain-text 500
+        out = r.run(expect_rc=1)
+        assert "generation.sampling.beam_width: not accepted by SGLang 0.5.16" in out
+        assert r.requests() == 0
+    else:
+        r.run()
+        assert r.requests() == 4
+
+
+def test_out_of_vocabulary_prompt_ids_are_never_sent(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 120}))
+    # prompts hold ids 100..129: 10 of them are >= 120; the fake dies on such an id, as
+    # SGLang's scheduler does
+    r = Run(tmp_path, "--vocab-size", "120", n=30, model=str(model), version="0.5.16")
+    out = r.run(expect_rc=1)
+    assert "10 prompts hold token ids outside the model's vocabulary [0, 120)" in out
+    assert "id 120 in prompt p020" in out and str(model / "config.json") in out
+    assert r.requests() == 0 and not (tmp_path / "logs" / "engine.log").exists()
+
+
+def test_fake_0_5_16_dies_on_an_out_of_vocabulary_id(tmp_path):
+    port = free_port()
+    proc = fake_sglang.start(port, "--sglang-version", "0.5.16", "--vocab-size", "50")
+    try:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/generate",
+            data=json.dumps({"input_ids": [1, 60], "rid": "x"}).encode(),
+            method="POST",
+        )
+        with pytest.raises(OSError):
+            urllib.request.urlopen(req, timeout=5)
+        assert proc.wait(timeout=10) != 0
+    finally:
+        proc.kill()
+
+
+@both_versions
+def test_two_jobs_with_the_same_prompts_against_one_server_lose_nothing(tmp_path, version):
+    # The issue's case: two categories with the same prompts at once against one external
+    # server. Request ids made of the sample key and the attempt collided ("Duplicate request
+    # ID detected", 400) and became permanent engine_rejected rows.
+    port = free_port()
+    counter = tmp_path / "ext.jsonl"
+    flags = ["--sglang-version", version, "--latency", "0.1", "--counter-file", str(counter)]
+    proc = fake_sglang.start(port, *flags)
+    try:
+        runs = []
+        for name in ("a", "b"):
+            (tmp_path / name).mkdir()
+            urls = [f"http://127.0.0.1:{port}"]
+            runs.append(Run(tmp_path / name, n=20, mode="external", urls=urls))
+        procs = [x.start() for x in runs]
+        for x, p in zip(runs, procs, strict=True):
+            out, _ = p.communicate(timeout=90)
+            assert p.returncode == 0, out
+            g, rej = _complete(x, 20)
+            assert g.num_rows == 20 and rej.num_rows == 0
+        lines = [json.loads(x) for x in counter.read_text().splitlines()]
+        assert len(lines) == 40 and len({x["rid"] for x in lines}) == 40
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@both_versions
+def test_external_two_servers_api_key_never_leaks(tmp_path, version):
     key = "tm-SECRET-4242-key"
     procs, urls = [], []
     try:
         for i in range(2):
             port = free_port()
             counter = tmp_path / f"ext{i}.jsonl"
-            procs.append(fake_sglang.start(port, "--api-key", key, "--counter-file", str(counter)))
+            flags = ["--api-key", key, "--counter-file", str(counter), "--sglang-version", version]
+            procs.append(fake_sglang.start(port, *flags))
             urls.append(f"http://127.0.0.1:{port}")
         r = Run(tmp_path, n=40, mode="external", urls=urls, api_key_env="TM_TEST_KEY")
         env = dict(os.environ, TM_TEST_KEY=key)
@@ -387,3 +536,23 @@ def test_vllm_unsupported_sampling_key_fails_before_any_request(tmp_path):
     out = r.run(expect_rc=1)
     assert "generation.sampling.regex: not supported with engine vllm" in out
     assert r.requests() == 0
+
+
+def test_duplicate_rid_rejections_of_older_versions_are_asked_again(tmp_path):
+    # Journals written before this fix hold 400 "Duplicate request ID" as final rejections;
+    # only a 400 that blames the prompt stays final.
+    from tokenmill import keys
+
+    r = Run(tmp_path, n=4)
+    fp = keys.generation_fingerprint(r.gen)
+    p = prompts(4)
+    with journal.JournalWriter(tmp_path / "journal", "chat", "003") as w:
+        for pid, msg in (("p001", "Duplicate request ID detected: x-1"),
+                         ("p002", "The input (9 tokens) is longer than the model's context "
+                                  "length (8 tokens).")):  # fmt: skip
+            key = keys.sample_key(fp, p[pid])
+            w.append({"key": key, "status": "rejected", "prompt_id": pid, "message": msg})
+    r.run()
+    assert sorted(x[0] for x in fake_sglang.requested_ids(r.counter)) == [100, 101, 103]
+    g, rej = _complete(r, 4)
+    assert rej.column("prompt_id").to_pylist() == ["p002"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -13,7 +14,10 @@ import fake_sglang
 import pytest
 
 from tokenmill import redaction as secrets
+from tokenmill.generate import engines
 from tokenmill.generate import launch as eng
+
+VERSIONS = ["0.5.23", "0.5.16"]
 
 
 def _gen(*flags, model="fake/model", **launch):
@@ -23,6 +27,13 @@ def _gen(*flags, model="fake/model", **launch):
         "model": model,
         "launch": {"command": cmd, "host": "127.0.0.1", "startup_timeout_s": 20, **launch},
     }
+
+
+def _model_dir(path, weights=b"w" * 300_000, vocab=720):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"vocab_size": vocab, "model_type": "qwen2"}))
+    (path / "model.safetensors").write_bytes(weights)
+    return path
 
 
 def _pid_alive(pid: int) -> bool:
@@ -38,13 +49,16 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
-def test_start_check_model_and_stop(tmp_path):
-    e = eng.ManagedEngine(_gen(), tmp_path / "logs")
+@pytest.mark.parametrize("version", VERSIONS)
+def test_start_check_model_and_stop(tmp_path, version):
+    e = eng.ManagedEngine(_gen("--sglang-version", version), tmp_path / "logs")
     asyncio.run(e.start())
     try:
         assert e.alive() and e.url.startswith("http://127.0.0.1:")
         assert e.model_info["model_path"] == "fake/model"
-        assert e.server_info["version"] == "0.5.23-fake"
+        assert ("served_model_name" in e.model_info) == (version == "0.5.23")
+        assert e.server_info["version"] == version
+        assert e.model_check == "the server reports 'fake/model'"
         pid = e.proc.pid
     finally:
         e.stop(grace_s=5)
@@ -61,13 +75,131 @@ def test_exit_at_start_fails_fast_with_log_tail(tmp_path):
     assert time.monotonic() - t0 < 10
 
 
-def test_wrong_model_is_refused(tmp_path):
-    gen = _gen()
+@pytest.mark.parametrize("version", VERSIONS)
+def test_wrong_model_is_refused(tmp_path, version):
+    gen = _gen("--sglang-version", version)
     gen["launch"]["command"][3] = "other/model"
     e = eng.ManagedEngine(gen, tmp_path)
-    with pytest.raises(eng.EngineError, match="other/model"):
+    with pytest.raises(eng.EngineError, match=r"reports \['other/model'\].*'fake/model'"):
         asyncio.run(e.start())
     assert e.proc is None
+
+
+def test_same_weights_under_another_path_pass_other_weights_fail(tmp_path):
+    here = _model_dir(tmp_path / "models" / "tiny")
+    copy = tmp_path / "mnt" / "gpu07" / "tiny"
+    shutil.copytree(here, copy)
+    gen = {"model": "models/tiny"}
+    # 0.5.16: /model_info has only model_path; the server's path is readable from the job
+    how = eng.check_model({"model_path": str(copy)}, {}, gen, tmp_path)
+    assert "same config.json and weight files" in how
+    # a fine-tune of the same base: same config, same size, other bytes
+    tuned = _model_dir(tmp_path / "ft" / "tiny", weights=b"v" * 300_000)
+    with pytest.raises(eng.EngineError, match=r"(?s)'models/tiny'.*holds other weights"):
+        eng.check_model({"model_path": str(tuned)}, {}, gen, tmp_path)
+    # another mount point that the job cannot read: the name is all there is
+    how = eng.check_model({"model_path": "/gpfs/ckpt/tiny"}, {}, gen, tmp_path)
+    assert "by name" in how
+    with pytest.raises(eng.EngineError, match="generation.server_model"):
+        eng.check_model({"model_path": "/gpfs/ckpt/other"}, {}, gen, tmp_path)
+    # /server_info's arguments count too (0.5.16 has served_model_name only there)
+    how = eng.check_model({"model_path": "/x/y"}, {"served_model_name": "models/tiny"}, gen, ".")
+    assert "reports 'models/tiny'" in how
+
+
+def test_hub_ids_and_hugging_face_cache_paths():
+    gen = {"model": "moonshotai/Kimi-K2.5"}
+    snap = "/root/.cache/huggingface/hub/models--moonshotai--Kimi-K2.5/snapshots/0123abc"
+    assert "hub model" in eng.check_model({"model_path": snap}, {}, gen)
+    assert "by name" in eng.check_model({"model_path": "/models/Kimi-K2.5"}, {}, gen)
+    for other in ("moonshotai/Kimi-K2", "/models/Kimi-K2", "Qwen/Kimi-K2.5"):
+        with pytest.raises(eng.EngineError, match=r"reports \[.*generation.model is"):
+            eng.check_model({"model_path": other}, {}, gen)
+    with pytest.raises(eng.EngineError, match="revision"):
+        eng.check_model({"model_path": snap}, {"revision": "v2"}, {**gen, "revision": "v1"})
+
+
+def test_server_model_key_states_the_name():
+    gen = {"model": "/local/kimi", "server_model": "kimi-prod"}
+    assert "server_model" in eng.check_model({"model_path": "/a", "served_model_name": "kimi-prod"},
+                                             {}, gen)  # fmt: skip
+    with pytest.raises(eng.EngineError, match=r"server_model is 'kimi-prod': they differ"):
+        eng.check_model({"model_path": "/local/kimi"}, {}, gen)
+
+
+def test_external_0_5_16_from_another_path_is_accepted(tmp_path):
+    """The issue's case: an external 0.5.16 server started from a copy of the weights."""
+    here = _model_dir(tmp_path / "models" / "tiny")
+    copy = tmp_path / "snapshot"
+    shutil.copytree(here, copy)
+    port = eng.free_port()
+    proc = fake_sglang.start(port, "--sglang-version", "0.5.16", model=str(copy))
+    try:
+        gen = {"model": "models/tiny", "external": {"urls": [f"http://127.0.0.1:{port}"]}}
+        ext = eng.ExternalEngines(gen, basedir=tmp_path)
+        asyncio.run(ext.start())
+        assert "same config.json" in ext.model_check[f"http://127.0.0.1:{port}"]
+        bad = eng.ExternalEngines({**gen, "model": "other/model"}, basedir=tmp_path)
+        with pytest.raises(eng.EngineError, match=rf"127.0.0.1:{port}: .*other/model"):
+            asyncio.run(bad.start())
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_model_vocab_size(tmp_path):
+    _model_dir(tmp_path / "m", vocab=123)
+    assert eng.model_vocab_size("m", tmp_path) == (123, str(tmp_path / "m" / "config.json"))
+    (tmp_path / "mm").mkdir()
+    (tmp_path / "mm" / "config.json").write_text('{"text_config": {"vocab_size": 9}}')
+    assert eng.model_vocab_size("mm", tmp_path)[0] == 9
+    assert eng.model_vocab_size("nobody/nothing", tmp_path)[0] is None
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_seed_policy_per_sample_needs_deterministic_inference(tmp_path, version):
+    gen = _gen("--sglang-version", version)
+    gen.update(seed_policy="per_sample", sampling={"max_new_tokens": 8})
+    e = eng.ManagedEngine(gen, tmp_path / "a")
+    with pytest.raises(eng.EngineError, match=r"--enable-deterministic-inference.*allow_ignored"):
+        asyncio.run(e.start())
+    assert e.proc is None  # stopped
+    e = eng.ManagedEngine({**gen, "allow_ignored_seeds": True}, tmp_path / "b")
+    asyncio.run(e.start())
+    e.stop(grace_s=5)
+    assert e.notes["seeds_honoured"] is False
+    gen["launch"]["command"].append("--enable-deterministic-inference")
+    e = eng.ManagedEngine(gen, tmp_path / "c")
+    asyncio.run(e.start())
+    e.stop(grace_s=5)
+    assert e.notes["seeds_honoured"] is True
+
+
+def test_sampling_key_the_running_version_refuses_is_refused_at_start(tmp_path):
+    counter = tmp_path / "req.jsonl"
+    gen = _gen("--sglang-version", "0.5.16", "--counter-file", str(counter))
+    gen["sampling"] = {"max_new_tokens": 8, "watermark": {"gamma": 0.25}}
+    with pytest.raises(eng.EngineError, match=r"sampling.watermark: not accepted by SGLang 0.5.16"):
+        asyncio.run(eng.ManagedEngine(gen, tmp_path).start())
+    assert fake_sglang.count_requests(counter) == 0
+    gen = _gen("--sglang-version", "0.5.23")
+    gen["sampling"] = {"max_new_tokens": 8, "watermark": {"gamma": 0.25}}
+    e = eng.ManagedEngine(gen, tmp_path / "new")
+    asyncio.run(e.start())
+    e.stop(grace_s=5)
+
+
+def test_config_check_wants_the_deterministic_flag_when_it_can_see_the_launch():
+    sgl = ["python", "-m", "sglang.launch_server", "--model-path", "{model}"]
+    gen = {"mode": "managed", "seed_policy": "per_sample", "launch": {"command": sgl}}
+    with pytest.raises(ValueError, match="enable-deterministic-inference"):
+        engines.validate_launch(gen)
+    engines.validate_launch({**gen, "allow_ignored_seeds": True})
+    engines.validate_launch(
+        {**gen, "launch": {"command": [*sgl, "--enable-deterministic-inference"]}}
+    )
+    engines.validate_launch({**gen, "launch": {"command": ["bash", "start_server.sh"]}})
+    engines.validate_launch({**gen, "seed_policy": "none"})
 
 
 def test_local_model_path_compared_by_realpath(tmp_path):

@@ -19,8 +19,12 @@ checkpoint tokenize_prompts:
         tokenizer_fingerprint=TOKENIZER_FINGERPRINT,
         shards=category_shard_count,
         max_prompt_tokens=config["max_prompt_tokens"],
+        # Prompt ids are range-checked against this model's vocab_size (its config.json).
+        model=config["generation"].get("model", ""),
+        model_revision=config["generation"].get("revision") or "",
     shell:
         "tokenmill tokenize --prompts {input.prompts:q} --category {wildcards.category:q}"
         " --shards {params.shards} --tokenizer-config {params.tokenizer:q}"
+        " --model={params.model:q} --model-revision={params.model_revision:q}"
         " --max-prompt-tokens {params.max_prompt_tokens} --workers {threads}"
         " --out-dir {output.shards:q} --rejected {output.rejected:q} > {log:q} 2>&1"

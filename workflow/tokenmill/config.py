@@ -125,6 +125,10 @@ def check_semantics(config: dict, basedir: str | Path = ".") -> None:
             engines.validate(gen)
         except ValueError as exc:
             problems.append(f"config key 'generation.sampling': {exc}")
+        try:
+            engines.validate_launch(gen)
+        except ValueError as exc:
+            problems.append(f"config key 'generation.seed_policy': {exc}")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 

@@ -4,22 +4,51 @@ The engine-specific part (request path and body, reading the answer, error bodie
 `EngineAPI` from tokenmill.generate.engines (SGLang's /generate by default, vLLM's /v1/completions).
 
 A fixed pool of worker coroutines (concurrency per server) pulls prompts from one queue; each
-request goes to the server with the fewest requests in flight. Every finished sample (or 400
-rejection) is handed to `on_record` at once (the journal), so nothing paid for is lost.
+request goes to the server with the fewest requests in flight. Every finished prompt is handed
+to `on_record` at once (the journal), so nothing paid for is lost.
 
-Errors: connection errors, timeouts, 5xx and 429 are retried with capped exponential backoff
-and full jitter; HTTP 400 rejects that one prompt with the server's message; HTTP 200 with an
-abort finish reason is retried. When a prompt exhausts its attempts the run fails with
-GenerationFailed naming it. When the managed engine dies (`alive()` turns false) the run stops
-with EngineDied without spending attempts, so the caller can restart the engine.
+Request ids are `{sample key}-{process nonce}-{counter}`: unique across processes, jobs and
+attempts (SGLang refuses a rid that is still in flight: two jobs with the same prompts against
+one server, or a resumed job whose killed predecessor left requests in flight).
+
+What each answer becomes (status of the record handed to on_record; reason in REASONS):
+
+    200                          "ok"
+    200 with an abort finish     retried
+    400 blaming the prompt       "rejected" (engine_rejected): too long for the context, ...
+    other 400                    retried (a duplicate request id, a value some version
+                                 refuses); exhausted: the job fails with the server's message
+    5xx, 408, 429, a timeout     retried; exhausted: "error" (engine_error) with the last error
+    connection refused/reset     retried; exhausted: the job fails (a dead or unreachable
+                                 engine is not a property of the prompt)
+    401, 403, 404, ...           the job fails at once (configuration)
+
+Retries use capped exponential backoff with full jitter, `max_attempts` per prompt. Two guards
+keep a systemic failure from hiding behind per-prompt handling:
+
+- fail fast: when the first `fail_fast_after` failed attempts of a run, before any success,
+  all got the same deterministic answer (HTTP 500/501/505+, or a 400 that does not blame the
+  prompt) with the same message, from as many different prompts as can be in flight (up to
+  `fail_fast_after`, at least two), the run stops (FailFast): the server
+  refuses the request's shape, and retrying every prompt would only waste hours;
+- rejection share: when rejected + errored prompts pass `reject_max_fraction` of the prompts
+  started (journaled successes of the shard count too) once there are `reject_min_count` of
+  them, or when a shard ends with nothing generated and two or more refused, the run stops
+  (TooManyRejections). The caller does not journal those rejections, so a corrected config or
+  server retries them.
+
+When the managed engine dies (`alive()` turns false) the run stops with EngineDied without
+spending attempts, so the caller can restart the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import random
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,8 +56,22 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from tokenmill.generate.engines import EngineAPI, SGLangAPI
+from tokenmill.generate.engines.base import DUPLICATE_RID
 
 log = logging.getLogger(__name__)
+
+
+# Record statuses -> reject reason codes of the generate stage (the stage's own pre-request
+# reason is empty_prompt). README "Rejected rows" lists them.
+OK, REJECTED, ERROR = "ok", "rejected", "error"
+REASONS = {REJECTED: "engine_rejected", ERROR: "engine_error"}
+
+# One per process: request ids never repeat across processes, jobs or restarts.
+NONCE = secrets.token_hex(4)
+_RID_COUNTER = itertools.count(1)
+
+# 5xx answers that mean "busy or restarting", not "this request is wrong": never a fail-fast.
+_TRANSIENT_5XX = (502, 503, 504)
 
 
 class GenerationFailed(RuntimeError):
@@ -39,12 +82,30 @@ class EngineDied(RuntimeError):
     pass
 
 
+class FailFast(GenerationFailed):
+    """The first requests of a run all failed with the same deterministic error."""
+
+
+class TooManyRejections(GenerationFailed):
+    """The share of refused prompts says the config or the server is wrong, not the prompts."""
+
+
 class _Retryable(Exception):
-    pass
+    def __init__(self, msg: str, kind: str = "server", signature: tuple | None = None):
+        super().__init__(msg)
+        # kind: "server" (the server answered, or timed out: exhausted -> engine_error row),
+        # "connection" (exhausted -> the job fails), "request" (a 400 not blaming the prompt:
+        # exhausted -> the job fails). signature: (status, message) when deterministic.
+        self.kind = kind
+        self.signature = signature
 
 
 class _Fatal(Exception):
     pass
+
+
+def new_rid(key: str) -> str:
+    return f"{key}-{NONCE}-{next(_RID_COUNTER)}"
 
 
 @dataclass
@@ -62,6 +123,7 @@ class Stats:
     requested: int = 0
     retries: int = 0
     rejected: int = 0
+    errors: int = 0
     output_tokens: int = 0
     in_flight: int = 0
     started: float = field(default_factory=time.monotonic)
@@ -74,7 +136,7 @@ class Stats:
         return (
             f"progress {self.done}/{self.total} req/s={rps:.2f} out_tok/s={tps:.1f} "
             f"eta={eta} in_flight={self.in_flight} retries={self.retries} "
-            f"rejected={self.rejected}"
+            f"rejected={self.rejected} errors={self.errors}"
         )
 
 
@@ -89,10 +151,14 @@ class ClientOptions:
     backoff_max_s: float = 60.0
     progress_interval_s: float = 30.0
     api_key: str | None = None
+    fail_fast_after: int = 3
+    reject_max_fraction: float = 0.05
+    reject_min_count: int = 10
 
     @classmethod
     def from_config(cls, gen: dict, stop_token_ids: list[int], api_key: str | None):
         retry = gen.get("retry") or {}
+        limit = gen.get("reject_limit") or {}
         return cls(
             sampling=dict(gen.get("sampling") or {}),
             stop_token_ids=list(stop_token_ids),
@@ -103,7 +169,56 @@ class ClientOptions:
             backoff_max_s=float(retry.get("backoff_max_s", 60.0)),
             progress_interval_s=float(gen.get("progress_interval_s", 30)),
             api_key=api_key,
+            fail_fast_after=int(retry.get("fail_fast_after", 3)),
+            reject_max_fraction=float(limit.get("max_fraction", 0.05)),
+            reject_min_count=int(limit.get("min_count", 10)),
         )
+
+
+class RejectionGuard:
+    """Counts the prompts of a shard (across engine restarts) and stops a run whose refusals
+    are systemic. `ok_before`: successes of the shard already in the journal."""
+
+    def __init__(self, max_fraction: float, min_count: int, ok_before: int = 0):
+        self.max_fraction = max_fraction
+        self.min_count = min_count
+        self.ok_before = ok_before
+        self.started = 0  # prompts taken from the queue in this job (in flight included)
+        self.ok = 0
+        self.refused = 0  # rejected + errored
+        self.first: list[str] = []  # the first messages, for the error
+
+    def add(self, rec: dict) -> None:
+        if rec["status"] == OK:
+            self.ok += 1
+            return
+        self.refused += 1
+        if len(self.first) < 5:
+            self.first.append(f"{rec['prompt_id']}: {REASONS[rec['status']]}: {rec['message']}")
+        self.check(final=False)
+
+    def check(self, final: bool) -> None:
+        if self.max_fraction >= 1.0 or not self.refused:
+            return
+        # In flight counts as not refused: 400s come back at once, successes take minutes, so
+        # a share of the answered prompts alone would be inflated early in a run.
+        base = self.started + self.ok_before
+        share = self.refused / max(base, 1)
+        systemic = self.refused >= self.min_count and share > self.max_fraction
+        nothing = final and self.refused >= 2 and self.ok + self.ok_before == 0
+        if systemic or nothing:
+            why = (
+                f"{share:.0%} > generation.reject_limit.max_fraction {self.max_fraction:.0%}"
+                if systemic
+                else "nothing in the shard was generated"
+            )
+            raise TooManyRejections(
+                f"{self.refused} of {base} prompts refused by the engine ({why}; "
+                f"{self.ok} generated in this job, {self.ok_before} from the journal): this "
+                "looks like a config or server problem, not bad prompts. The refusals are not "
+                "journaled: a corrected config or server retries them. First messages:\n  "
+                + "\n  ".join(self.first)
+            )
 
 
 class Client:
@@ -115,6 +230,7 @@ class Client:
         alive: Callable[[], bool] | None = None,
         stats: Stats | None = None,
         api: EngineAPI | None = None,
+        guard: RejectionGuard | None = None,
     ):
         if not urls:
             raise ValueError("no server URLs")
@@ -123,6 +239,14 @@ class Client:
         self.on_record = on_record
         self.alive = alive
         self.stats = stats or Stats()
+        self.guard = guard or RejectionGuard(opts.reject_max_fraction, opts.reject_min_count)
+        # Fail fast: the signature every failure so far had, the prompts and attempts behind
+        # it; disarmed for good by a success or by a different deterministic failure.
+        self._ff_armed = True
+        self._ff_signature: tuple | None = None
+        self._ff_prompts: list[str] = []
+        self._ff_attempts = 0
+        self._n_workers = 0
         self._in_flight = dict.fromkeys(self.urls, 0)
         self._headers = {"Content-Type": "application/json"}
         if opts.api_key:
@@ -134,9 +258,8 @@ class Client:
     def _pick_url(self) -> str:
         return min(self.urls, key=self._in_flight.__getitem__)
 
-    def _request(self, url: str, item: Item, attempt: int) -> tuple[str, bytes]:
-        # rid: unique per attempt (SGLang rejects duplicate rids still in flight after a retry).
-        return self.api.build_request(url, item.prompt_ids, item.seed, f"{item.key}-{attempt}")
+    def _request(self, url: str, item: Item) -> tuple[str, bytes]:
+        return self.api.build_request(url, item.prompt_ids, item.seed, new_rid(item.key))
 
     async def _once(self, session: aiohttp.ClientSession, item: Item, attempt: int):
         url = self._pick_url()
@@ -144,13 +267,16 @@ class Client:
         self.stats.in_flight += 1
         self.stats.requested += 1
         t0 = time.monotonic()
-        path, body = self._request(url, item, attempt)
+        path, body = self._request(url, item)
         try:
             async with session.post(url + path, data=body, headers=self._headers) as resp:
                 raw = await resp.read()
                 status = resp.status
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise _Retryable(f"{url}: {type(exc).__name__}: {exc}") from None
+        except TimeoutError as exc:  # the server took the request and never answered in time
+            raise _Retryable(f"{url}: timeout after {self.opts.request_timeout_s}s {exc}") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            msg = f"{url}: {type(exc).__name__}: {exc}"
+            raise _Retryable(msg, kind="connection") from None
         finally:
             self._in_flight[url] -= 1
             self.stats.in_flight -= 1
@@ -166,14 +292,52 @@ class Client:
             return "ok", res
         msg = self.api.error_message(raw, status)
         if status == 400:
-            return "rejected", {"message": msg, "server": url}
+            if self.api.prompt_at_fault(msg):
+                return REJECTED, {"message": msg, "server": url}
+            duplicate = DUPLICATE_RID.search(msg)
+            raise _Retryable(
+                f"{url}: HTTP 400: {msg}",
+                kind="request",
+                signature=None if duplicate else (status, msg),
+            )
         if status >= 500 or status in (408, 429):
-            raise _Retryable(f"{url}: HTTP {status}: {msg}")
+            deterministic = status >= 500 and status not in _TRANSIENT_5XX
+            sig = (status, msg) if deterministic else None
+            raise _Retryable(f"{url}: HTTP {status}: {msg}", signature=sig)
         # 401/403/404/...: a configuration problem; retrying cannot help.
         raise _Fatal(f"{url}: HTTP {status}: {msg}")
 
+    def _fail_fast(self, item: Item, exc: _Retryable) -> None:
+        """Raise FailFast when the first failures of the run are all one deterministic error."""
+        if not self._ff_armed or exc.signature is None:
+            return
+        if self._ff_signature is None:
+            self._ff_signature = exc.signature
+        elif exc.signature != self._ff_signature:
+            self._ff_armed = False
+            return
+        self._ff_attempts += 1
+        if item.prompt_id not in self._ff_prompts:
+            self._ff_prompts.append(item.prompt_id)
+        k = self.opts.fail_fast_after
+        # From k different prompts, or from every prompt that can be in flight at once; never
+        # from one prompt alone (a prompt that always fails is an engine_error row, not a job
+        # that fails on every rerun).
+        need = max(2, min(k, self._n_workers))
+        if k <= 0 or self._ff_attempts < k or len(self._ff_prompts) < need:
+            return
+        status, msg = self._ff_signature
+        raise FailFast(
+            f"the first {self._ff_attempts} requests of this job (prompts "
+            f"{', '.join(self._ff_prompts[:5])}) all failed with the same answer, HTTP "
+            f"{status}: {msg!r}. An error on every request means the server refuses the "
+            "request's shape (for example a sampling key its version does not accept), not a "
+            "busy server: stopping instead of retrying every prompt"
+        )
+
     async def _process(self, session, item: Item) -> None:
         last = ""
+        self.guard.started += 1
         for attempt in range(1, self.opts.max_attempts + 1):
             try:
                 kind, res = await self._once(session, item, attempt)
@@ -181,8 +345,16 @@ class Client:
                 last = str(exc)
                 if self.alive is not None and not self.alive():
                     raise EngineDied(f"engine died ({last})") from None
+                self._fail_fast(item, exc)
                 if attempt == self.opts.max_attempts:
-                    break
+                    if exc.kind == "server":  # the engine answers, just never this prompt
+                        kind, res = ERROR, {"message": last}
+                        break
+                    what = "engine unreachable" if exc.kind == "connection" else "refused"
+                    raise GenerationFailed(
+                        f"prompt {item.prompt_id} (sample {item.key}) failed after "
+                        f"{self.opts.max_attempts} attempts ({what}); last error: {last}"
+                    ) from None
                 self.stats.retries += 1
                 cap = min(self.opts.backoff_max_s, self.opts.backoff_initial_s * 2 ** (attempt - 1))
                 log.warning(
@@ -196,19 +368,22 @@ class Client:
                 continue
             except _Fatal as exc:
                 raise GenerationFailed(f"prompt {item.prompt_id}: {exc}") from None
-            rec = {"key": item.key, "status": kind, "prompt_id": item.prompt_id, **res}
-            rec["attempts"] = attempt
-            self.on_record(rec)
-            self.stats.done += 1
-            if kind == "ok":
-                self.stats.output_tokens += len(res["output_ids"])
-            else:
-                self.stats.rejected += 1
-            return
-        raise GenerationFailed(
-            f"prompt {item.prompt_id} (sample {item.key}) failed after "
-            f"{self.opts.max_attempts} attempts; last error: {last}"
-        )
+            if kind == OK:
+                self._ff_armed = False
+            break
+        rec = {"key": item.key, "status": kind, "prompt_id": item.prompt_id, **res}
+        rec["attempts"] = attempt
+        self.on_record(rec)
+        self.stats.done += 1
+        if kind == OK:
+            self.stats.output_tokens += len(res["output_ids"])
+        elif kind == REJECTED:
+            self.stats.rejected += 1
+        else:
+            self.stats.errors += 1
+            log.warning("prompt %s: engine_error after %d attempts: %s", item.prompt_id,
+                        attempt, last)  # fmt: skip
+        self.guard.add(rec)
 
     async def _worker(self, session, queue: asyncio.Queue) -> None:
         while True:
@@ -236,6 +411,7 @@ class Client:
         for it in items:
             queue.put_nowait(it)
         n_workers = min(len(items), self.opts.concurrency * len(self.urls))
+        self._n_workers = n_workers
         conn = aiohttp.TCPConnector(
             limit=self.opts.concurrency * len(self.urls),
             limit_per_host=self.opts.concurrency,
@@ -264,4 +440,5 @@ class Client:
                     t.cancel()
                 await asyncio.gather(*workers, *helpers, return_exceptions=True)
         log.info(self.stats.line())
+        self.guard.check(final=True)
         return self.stats

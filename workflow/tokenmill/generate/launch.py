@@ -7,6 +7,11 @@ never a shell string), a free port, its own process group, stdout/stderr appende
 Stop = SIGTERM to the group, wait, SIGKILL. What differs between engines (endpoints, default
 environment) comes from the engine's EngineAPI (tokenmill.generate.engines).
 
+Before the first request, both modes check the running server against the config: the model
+identity (`check_model`: the same weights under another path or name pass, other weights fail,
+with both sides named), and what only the running server can tell (`EngineAPI.check_server`:
+sampling keys its version accepts, deterministic inference for seed_policy per_sample).
+
 Multi-node (launch.nnodes > 1, inside a SLURM allocation): the command runs through
 `srun --nodes=N --ntasks=N --ntasks-per-node=1 --kill-on-bad-exit=1
 python -m tokenmill.generate.launch task --argv-json ...`; each task substitutes {node_rank}
@@ -21,7 +26,9 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -39,6 +46,10 @@ from tokenmill.generate.engines import EngineAPI
 from tokenmill.redaction import redact, redact_argv
 
 DIST_PORT_OFFSET = 1000  # dist_init_addr port = HTTP port + this (both picked per launch)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+SAMPLE_BYTES = 1 << 16  # read at the middle and the end of each weight file
+
+log = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
@@ -149,16 +160,162 @@ async def fetch_info(
     return server_info, model_info
 
 
+def _local_dir(name: str | None, basedir: str | Path = ".") -> Path | None:
+    if not name:
+        return None
+    path = Path(basedir) / name  # an absolute name stays absolute
+    return path if path.is_dir() else None
+
+
+def _hub_cache_dir(hub_id: str, revision: str | None) -> Path | None:
+    """The local Hugging Face cache snapshot of a hub model (no download), if any."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(hub_id, "config.json", revision=revision)
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def hub_id_of(name: str) -> str | None:
+    """`org/name` of a hub id, or of a path inside the Hugging Face cache
+    (.../models--org--name/snapshots/<commit>); None for other paths."""
+    for part in Path(name).parts:
+        if part.startswith("models--"):
+            return "/".join(part[len("models--") :].split("--", 1))
+    if name.count("/") == 1 and not name.startswith((".", "/")) and not Path(name).exists():
+        return name
+    return None
+
+
+def weights_fingerprint(path: Path) -> str | None:
+    """config.json plus, for every weight file, its name, size and 64 KiB read at its middle
+    and its end: two copies of one checkpoint agree, fine-tunes of one base do not (their
+    configs and sizes do). Reads a few MiB even for a terabyte checkpoint. None without a
+    config.json."""
+    try:
+        h = hashlib.sha256((path / "config.json").read_bytes())
+        for f in sorted(p for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
+            size = f.stat().st_size
+            h.update(f"\0{f.name}\0{size}\0".encode())
+            with open(f, "rb") as fh:
+                for offset in (size // 2, max(size - SAMPLE_BYTES, 0)):
+                    fh.seek(offset)
+                    h.update(fh.read(SAMPLE_BYTES))
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def model_vocab_size(model: str | None, basedir: str | Path = ".", revision: str | None = None):
+    """(vocab_size, where it was read) from the model's config.json when it is on this machine
+    (a local directory, or a hub id in the local Hugging Face cache); (None, why) otherwise."""
+    if not model:
+        return None, "no generation.model"
+    local = _local_dir(model, basedir)
+    hub = hub_id_of(model) if local is None else None
+    where = local or (_hub_cache_dir(hub, revision) if hub else None)
+    if where is None:
+        return None, f"{model!r} is not a local directory nor in the Hugging Face cache"
+    try:
+        cfg = json.loads((where / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return None, f"cannot read {where / 'config.json'}: {exc}"
+    # Multimodal configs keep the language model's vocabulary in text_config.
+    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    if not isinstance(vocab, int):
+        return None, f"{where / 'config.json'} has no vocab_size"
+    return vocab, str(where / "config.json")
+
+
+def served_names(model_info: dict, server_info: dict | None = None) -> list[str]:
+    """What the server says it serves: its model path and served name (/model_info, and
+    /server_info's arguments: 0.5.16 has no served_model_name in /model_info)."""
+    names: list[str] = []
+    for info in (model_info or {}, server_info or {}):
+        for k in ("model_path", "served_model_name"):
+            v = info.get(k)
+            if isinstance(v, str) and v and v not in names:
+                names.append(v)
+    return names
+
+
+def check_model(
+    model_info: dict, server_info: dict | None, gen: dict, basedir: str | Path = "."
+) -> str:
+    """How the served model was matched to generation.model; EngineError naming both sides
+    when it is not the same model.
+
+    In order: generation.server_model (the name the server reports, stated in the config) must
+    be among the served names; the same name; when the server's path is readable here too, the
+    same directory or the same weights (`weights_fingerprint`), and a readable path with other
+    weights is refused even if the names agree; else the same hub id (also read from a Hugging
+    Face cache path), or a local path's last component equal to the hub id's name
+    (/models/Kimi-K2.5 serves moonshotai/Kimi-K2.5).
+    """
+    want = gen["model"]
+    names = served_names(model_info, server_info)
+    sides = f"the server reports {names or 'no model path'}, generation.model is {want!r}"
+    revision, served_rev = gen.get("revision"), (server_info or {}).get("revision")
+    if revision and served_rev and revision != served_rev:
+        raise EngineError(
+            f"engine serves revision {served_rev!r}, but generation.revision is {revision!r}"
+        )
+    stated = gen.get("server_model")
+    if stated:
+        if stated in names:
+            return f"generation.server_model {stated!r} is what the server reports"
+        raise EngineError(f"{sides}, and generation.server_model is {stated!r}: they differ")
+    if want in names:
+        return f"the server reports {want!r}"
+    local = _local_dir(want, basedir)
+    want_hub = hub_id_of(str(local.resolve())) if local else hub_id_of(want)
+    if local is None and want_hub:
+        local = _hub_cache_dir(want_hub, revision)
+    refused = []
+    for name in names:
+        hub = hub_id_of(name)
+        theirs = _local_dir(name, basedir) or (_hub_cache_dir(hub, served_rev) if hub else None)
+        if local is not None and theirs is not None:
+            if os.path.realpath(local) == os.path.realpath(theirs):
+                return f"{name!r} is the directory of generation.model"
+            mine, other = weights_fingerprint(local), weights_fingerprint(theirs)
+            if mine is not None and mine == other:
+                return f"{name!r} holds the same config.json and weight files as {str(local)!r}"
+            refused.append(f"{name!r} is readable here and holds other weights than {want!r}")
+            continue
+        if hub and want_hub:
+            if hub.lower() == want_hub.lower():
+                return f"{name!r} is hub model {hub!r}"
+            continue
+        # One side is a plain path we cannot read: the names are all there is to compare.
+        mine_name = (want_hub or str(want)).rstrip("/").rsplit("/", 1)[-1]
+        their_name = (hub or name).rstrip("/").rsplit("/", 1)[-1]
+        if mine_name and mine_name == their_name:
+            return f"{name!r} has the model's name {mine_name!r} (not readable here: by name)"
+    hint = (
+        "; " + "; ".join(refused)
+        if refused
+        else "; if it is the same model under another name, set generation.server_model to the "
+        "name the server reports"
+    )
+    raise EngineError(f"the engine serves another model: {sides}{hint}")
+
+
 def model_matches(model_info: dict, model: str, basedir: str | Path = ".") -> bool:
-    served = [model_info.get("model_path"), model_info.get("served_model_name")]
-    served = [s for s in served if s]
-    if model in served:
-        return True
-    local = Path(basedir) / model
-    if local.exists():
-        want = os.path.realpath(local)
-        return any(os.path.realpath(Path(basedir) / s) == want for s in served)
-    return False
+    try:
+        check_model(model_info, {}, {"model": model}, basedir)
+    except EngineError:
+        return False
+    return True
+
+
+def check_server(api: EngineAPI, gen: dict, server_info: dict, url: str) -> dict:
+    """EngineAPI.check_server as an EngineError naming the server."""
+    try:
+        return api.check_server(gen, server_info or {}, url)
+    except ValueError as exc:
+        raise EngineError(str(exc)) from None
 
 
 # ---------------------------------------------------------------------------- managed engine
@@ -185,6 +342,8 @@ class ManagedEngine:
         self.starts = 0
         self.server_info: dict = {}
         self.model_info: dict = {}
+        self.model_check = ""
+        self.notes: dict = {}
 
     @property
     def headers(self) -> dict:
@@ -289,12 +448,14 @@ class ManagedEngine:
                 waited = time.monotonic() - (deadline - timeout)
                 await asyncio.sleep(0.1 if waited < 10 else 1.0)
         self.server_info, self.model_info = await fetch_info(self.url, self.headers, api=self.api)
-        if not model_matches(self.model_info, self.gen["model"], self.basedir):
-            served = self.model_info.get("model_path"), self.model_info.get("served_model_name")
-            self.stop()
-            raise EngineError(
-                f"engine serves {served}, but generation.model is {self.gen['model']!r}"
+        try:
+            self.model_check = check_model(
+                self.model_info, self.server_info, self.gen, self.basedir
             )
+            self.notes = check_server(self.api, self.gen, self.server_info, self.url)
+        except EngineError:
+            self.stop()
+            raise
         self.api.remember(self.url, self.model_info)
 
     def stop(self, grace_s: float = 30.0) -> None:
@@ -321,30 +482,44 @@ class ManagedEngine:
 class ExternalEngines:
     """Servers (or an sglang-router) started by someone else: nothing to launch or stop."""
 
-    def __init__(self, gen: dict, api_key: str | None = None, api: EngineAPI | None = None):
+    def __init__(
+        self, gen: dict, api_key: str | None = None, api: EngineAPI | None = None, basedir="."
+    ):
         self.api = api or engines.for_config(gen)
         self.urls = [u.rstrip("/") for u in (gen.get("external") or {}).get("urls", [])]
         self.api_key = api_key
         self.server_info: dict = {}
         self.model_info: dict = {}
+        self.model_check: dict = {}
+        self.notes: dict = {}
         self.gen = gen
+        self.basedir = basedir
 
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         infos = [await fetch_info(u, headers, api=self.api) for u in self.urls]
         self.server_info = {u: si for u, (si, _) in zip(self.urls, infos, strict=True)}
         self.model_info = {u: mi for u, (_, mi) in zip(self.urls, infos, strict=True)}
+        per_url = {}
         for u, mi in self.model_info.items():
-            if mi and not model_matches(mi, self.gen["model"]):
-                raise EngineError(
-                    f"{u} serves {mi.get('model_path')!r}, but generation.model is "
-                    f"{self.gen['model']!r}"
-                )
+            si = self.server_info[u]
+            if mi or si:
+                try:
+                    self.model_check[u] = check_model(mi, si, self.gen, self.basedir)
+                except EngineError as exc:
+                    raise EngineError(f"{u}: {exc}") from None
+            per_url[u] = check_server(self.api, self.gen, si, u)
             if mi:
                 self.api.remember(u, mi)
+        # seeds are honoured only when every server honours them
+        seeds = [n.get("seeds_honoured") for n in per_url.values()]
+        self.notes = {"seeds_honoured": None if None in seeds else all(seeds), "servers": per_url}
 
     def alive(self) -> bool:
         return True
+
+    def log_tail(self, n: int = 40) -> str:
+        return "(external servers: their logs are on their own machines)"
 
     def stop(self) -> None:
         pass

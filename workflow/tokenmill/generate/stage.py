@@ -33,14 +33,24 @@ from tokenmill import contracts, keys
 from tokenmill.cli import json_arg
 from tokenmill.generate import engines, journal
 from tokenmill.generate.client import (
+    OK,
+    REASONS,
+    REJECTED,
     Client,
     ClientOptions,
     EngineDied,
+    FailFast,
     GenerationFailed,
     Item,
+    RejectionGuard,
     Stats,
 )
-from tokenmill.generate.launch import EngineError, ExternalEngines, ManagedEngine
+from tokenmill.generate.launch import (
+    EngineError,
+    ExternalEngines,
+    ManagedEngine,
+    model_vocab_size,
+)
 from tokenmill.redaction import redact
 
 log = logging.getLogger("tokenmill.generate")
@@ -142,7 +152,7 @@ def build_tables(shard: Shard, records: dict, pre_rejected: dict, category: str)
                 gen_rows["prompt_id"][-1] = pid
                 gen_rows["sample_key"][-1] = key
                 continue
-            reason, detail = "engine_rejected", rec.get("message")
+            reason, detail = REASONS[rec["status"]], rec.get("message")
         rej_rows.append(
             {
                 "stage": "generate",
@@ -156,6 +166,26 @@ def build_tables(shard: Shard, records: dict, pre_rejected: dict, category: str)
             }
         )
     return pa.table(gen_rows, schema=contracts.GENERATED), contracts.rejected_table(rej_rows)
+
+
+def check_vocab(shard: Shard, gen: dict, basedir: str, meta: dict) -> None:
+    """Refuse to send a prompt id the model cannot embed: SGLang's scheduler dies on one (a
+    tokenizer/model mismatch), and a managed engine would crash-loop through its restarts."""
+    vocab, source = model_vocab_size(gen.get("model"), basedir, gen.get("revision"))
+    meta["vocab_check"] = {"vocab_size": vocab, "source": source}
+    if vocab is None:
+        log.warning("prompt ids not range-checked before generation: %s", source)
+        return
+    bad = np.flatnonzero((shard._values >= vocab) | (shard._values < 0))
+    if len(bad):
+        rows = np.unique(np.searchsorted(shard._offsets, bad, side="right") - 1)
+        ids = [shard.prompt_id[r] for r in rows[:5]]
+        raise ValueError(
+            f"{len(rows)} prompts hold token ids outside the model's vocabulary [0, {vocab}) "
+            f"({source}), e.g. id {int(shard._values[bad[0]])} in prompt {ids[0]} (prompts "
+            f"{', '.join(ids)}): the tokenizer does not belong to generation.model "
+            f"{gen.get('model')!r}. Nothing was sent (such an id kills SGLang's scheduler)"
+        )
 
 
 async def run(args, gen: dict, tok_cfg: dict, meta: dict) -> int:
@@ -175,6 +205,13 @@ async def run(args, gen: dict, tok_cfg: dict, meta: dict) -> int:
                     if len(shard.ids(i)) == 0}  # fmt: skip
     wanted = {shard.keys[i] for i in range(len(shard)) if i not in pre_rejected}
     records, jstats = journal.load(args.journal_dir, args.category, wanted)
+    # Earlier versions journaled every 400 as final, "Duplicate request ID" included: only a
+    # 400 that blames the prompt stays final, the others are asked again.
+    records = {
+        k: r
+        for k, r in records.items()
+        if r.get("status") != REJECTED or api.prompt_at_fault(r.get("message") or "")
+    }
     log.info(
         "shard %s/%s: %d prompts, %d unique samples, %d journaled (%d files, %d torn lines)",
         args.category, args.shard, len(shard), len(wanted), len(records), jstats["files"],
@@ -212,18 +249,27 @@ async def run(args, gen: dict, tok_cfg: dict, meta: dict) -> int:
     )
     restarts = 0
     if missing:
+        check_vocab(shard, gen, args.basedir, meta)
         stop_ids = resolve_stop_ids(gen, tok_cfg, args.basedir)
         opts = ClientOptions.from_config(gen, stop_ids, api_key)
+        ok_before = sum(1 for r in records.values() if r.get("status") == OK)
+        guard = RejectionGuard(opts.reject_max_fraction, opts.reject_min_count, ok_before)
         engine = (
             ManagedEngine(gen, args.log_dir, args.basedir, api_key, api=api)
             if managed
-            else ExternalEngines(gen, api_key, api=api)
+            else ExternalEngines(gen, api_key, api=api, basedir=args.basedir)
         )
         writer = journal.JournalWriter(args.journal_dir, args.category, args.shard)
         meta["journal"]["file"] = str(writer.path)
+        # Rejections are journaled (as final) only once the shard passed the rejection guard;
+        # engine errors never are: a later run of the shard tries those prompts again.
+        held: list[dict] = []
 
         def on_record(rec: dict) -> None:
-            writer.append(rec)
+            if rec["status"] == OK:
+                writer.append(rec)
+            elif rec["status"] == REJECTED:
+                held.append(rec)
             prev = records.get(rec["key"])
             if prev is None or prev.get("status") != "ok":
                 records[rec["key"]] = rec
@@ -241,9 +287,13 @@ async def run(args, gen: dict, tok_cfg: dict, meta: dict) -> int:
                 if not todo:
                     break
                 alive = engine.alive if managed else None
-                client = Client(urls, opts, on_record, alive, stats, api=api)
+                client = Client(urls, opts, on_record, alive, stats, api=api, guard=guard)
                 try:
                     await client.run(todo)
+                except FailFast as exc:
+                    raise GenerationFailed(
+                        f"{exc}\nlast lines of the engine log:\n{engine.log_tail()}"
+                    ) from None
                 except EngineDied as exc:
                     if restarts >= int(launch.get("max_restarts", 2)):
                         raise GenerationFailed(
@@ -256,12 +306,14 @@ async def run(args, gen: dict, tok_cfg: dict, meta: dict) -> int:
                     await engine.start()
                     _record_engine(meta, engine, secrets)
                     urls = [engine.url]
+            for rec in held:
+                writer.append(rec)
         finally:
             writer.close()  # the journal first: it holds what was paid for
             engine.stop()
             counts.update(
                 requested=stats.requested, retries=stats.retries, restarts=restarts,
-                generated=stats.done,
+                generated=stats.done, engine_rejected=stats.rejected, engine_errors=stats.errors,
             )  # fmt: skip
 
     gen_table, rej_table = build_tables(shard, records, pre_rejected, args.category)
@@ -291,6 +343,9 @@ async def run(args, gen: dict, tok_cfg: dict, meta: dict) -> int:
 def _record_engine(meta: dict, engine, secrets: list[str]) -> None:
     meta["server_info"] = redact(engine.server_info, secrets)
     meta["model_info"] = redact(engine.model_info, secrets)
+    meta["model_check"] = engine.model_check
+    # False: the server ignores sampling_seed (generation.allow_ignored_seeds let it run).
+    meta["seeds_honoured"] = engine.notes.get("seeds_honoured")
     if isinstance(engine, ManagedEngine):
         meta["engine_argv"] = engine.redacted_argv()
         meta["engine_url"] = engine.url

@@ -30,6 +30,10 @@ Rejections (results/rejected/tokenize/C.parquet, stage "tokenize", prompt_id ord
 invalid_record (messages/tools not JSON, or not a list of messages), template_error (the chat
 template raised), encode_error, empty_prompt, too_long (never truncated), duplicate_prompt_id,
 invalid_prompt_id (no shard can be computed; counted in the category totals only).
+
+Vocabulary: with --model (generation.model) whose config.json is on this machine, a tokenizer
+larger than the model's vocab_size, or any prompt id outside [0, vocab_size), fails the stage
+naming both sizes: such an id would kill SGLang's scheduler at the first request.
 """
 
 from __future__ import annotations
@@ -401,8 +405,10 @@ def tokenize_category(
     workers: int = 1,
     chunk_rows: int = CHUNK_ROWS,
     tokenizer=None,
+    model_vocab: tuple[int | None, str] = (None, ""),
 ) -> Summary:
-    """Run the stage end to end; returns the counts. `tokenizer`: an already loaded one."""
+    """Run the stage end to end; returns the counts. `tokenizer`: an already loaded one.
+    `model_vocab`: (vocab_size, where it was read) of the model, checked against every id."""
     from tokenmill.tokenization.tokenizer import load_tokenizer, tokenizer_fingerprint
 
     if num_shards < 1:
@@ -413,6 +419,12 @@ def tokenize_category(
     if tokenizer is None:
         tokenizer = load_tokenizer(tok_cfg, basedir)
     fingerprint, _ = tokenizer_fingerprint(tok_cfg, basedir, tokenizer)
+    vocab, vocab_source = model_vocab
+    if vocab is not None and len(tokenizer) > vocab:
+        raise TokenizeError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab} "
+            f"({vocab_source}): tokenizer.path and generation.model do not belong together"
+        )
     encoder = Encoder(tokenizer, tok_cfg.get("chat_template_kwargs"))
     summary = Summary(category, fingerprint)
 
@@ -444,6 +456,8 @@ def tokenize_category(
             # closing: an error here shuts the encoding pool down at once, not at GC time.
             with contextlib.closing(results):
                 for batch, result in results:
+                    if vocab is not None:
+                        _check_vocab(batch, result, vocab, vocab_source)
                     previous = _route(
                         batch, result, previous, num_shards, max_prompt_tokens, category,
                         spills, rejected_rows, summary,
@@ -480,6 +494,17 @@ def tokenize_category(
         shutil.rmtree(spill_dir, ignore_errors=True)
     summary.seconds = time.monotonic() - start
     return summary
+
+
+def _check_vocab(batch, result: ChunkResult, vocab: int, source: str) -> None:
+    bad = np.flatnonzero((result.flat >= vocab) | (result.flat < 0))
+    if len(bad):
+        row = int(np.searchsorted(np.cumsum(result.lengths), bad[0], side="right"))
+        raise TokenizeError(
+            f"prompt {batch.column('prompt_id')[row].as_py()}: token id "
+            f"{int(result.flat[bad[0]])} is outside the model's vocabulary (vocab_size {vocab}, "
+            f"{source}): tokenizer.path and generation.model do not belong together"
+        )
 
 
 def _route(
@@ -621,6 +646,10 @@ def main(argv: list[str]) -> int:
         default=0,
         help="encoding processes (0: 1 for a fast tokenizer, --workers for a slow one)",
     )
+    parser.add_argument(
+        "--model", default="", help="generation.model: its config.json vocab_size bounds the ids"
+    )
+    parser.add_argument("--model-revision", default="", help="generation.revision")
     parser.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
@@ -631,6 +660,13 @@ def main(argv: list[str]) -> int:
 
         tok_cfg = _json_arg(args.tokenizer_config)
         tokenizer = load_tokenizer(tok_cfg, args.basedir)
+        model_vocab: tuple[int | None, str] = (None, "")
+        if args.model:
+            from tokenmill.generate.launch import model_vocab_size
+
+            model_vocab = model_vocab_size(args.model, args.basedir, args.model_revision or None)
+            if model_vocab[0] is None:
+                print(f"tokenize: prompt ids not range-checked: {model_vocab[1]}", flush=True)
         workers = args.processes or default_processes(tokenizer, cores)
         summary = tokenize_category(
             args.prompts,
@@ -644,6 +680,7 @@ def main(argv: list[str]) -> int:
             workers=workers,
             chunk_rows=args.chunk_rows,
             tokenizer=tokenizer,
+            model_vocab=model_vocab,
         )
     except (TokenizeError, OSError, ValueError) as exc:
         print(f"tokenmill tokenize: error: {exc}", file=sys.stderr)

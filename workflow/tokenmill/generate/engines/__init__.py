@@ -30,3 +30,8 @@ def validate(gen: dict) -> None:
     api = get(gen.get("engine"))
     command = (gen.get("launch") or {}).get("command") if gen.get("mode") != "external" else None
     api.validate_sampling(gen.get("sampling") or {}, api.skip_tokenizer_init(command))
+
+
+def validate_launch(gen: dict) -> None:
+    """Check the launch settings against the rest of the generation config."""
+    get(gen.get("engine")).validate_launch(gen)

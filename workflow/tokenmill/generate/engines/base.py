@@ -10,8 +10,25 @@ the answer, how to read the server's identity (for the model check and provenanc
 from __future__ import annotations
 
 import json
+import re
 
 import aiohttp
+
+# 400 messages that blame the prompt itself (it can never be answered with this model and
+# config): the only 400s journaled as final rejections. Every other 400 (a duplicate request
+# id, a sampling value some version refuses, ...) is retried a bounded number of times and
+# then fails the job with the server's message. Measured (SGLang 0.5.16, reference engine,
+# vLLM 0.32): "The input (N tokens) is longer than the model's context length (M tokens).",
+# "Requested token count exceeds the model's maximum context length ...", "Input length (N
+# tokens) exceeds the maximum allowed length ...", "This model's maximum context length is N
+# tokens ...", "Token id N in input_ids is out of the vocabulary ...", "input_ids cannot be
+# empty.".
+PROMPT_AT_FAULT = re.compile(
+    r"context length|maximum context|longer than the model|exceeds the maximum allowed length"
+    r"|prompt is too long|out of the vocabulary|out of vocabulary|input_ids cannot be empty",
+    re.IGNORECASE,
+)
+DUPLICATE_RID = re.compile(r"duplicate request id", re.IGNORECASE)
 
 
 class BadResponse(ValueError):
@@ -80,6 +97,10 @@ class EngineAPI:
         """Raise ValueError naming the key for sampling params this engine refuses."""
         raise NotImplementedError
 
+    @staticmethod
+    def validate_launch(gen: dict) -> None:
+        """Raise ValueError for launch settings that cannot work with the rest of the config."""
+
     def server_skips_tokenizer(self, server_info: dict) -> bool:
         """From a running server's info (external mode): does it run without a tokenizer?"""
         return False
@@ -101,6 +122,18 @@ class EngineAPI:
 
     def error_message(self, body: bytes | str, status: int | None = None) -> str:
         return error_message(body, status)
+
+    @staticmethod
+    def prompt_at_fault(message: str) -> bool:
+        """Does this 400 say the prompt itself can never be answered (final rejection)?"""
+        return bool(PROMPT_AT_FAULT.search(message or "")) and not DUPLICATE_RID.search(message)
+
+    # ---- checks against the running server (before the first request) ----
+    def check_server(self, gen: dict, server_info: dict, url: str) -> dict:
+        """Raise ValueError (naming the key and the server) for a config this running server
+        cannot honour; else notes for the meta ({"seeds_honoured": bool|None, ...})."""
+        per_sample = gen.get("seed_policy") == "per_sample"
+        return {"seeds_honoured": True if per_sample else None}
 
     # ---- identity ----
     async def fetch_model_info(self, session, url: str, headers: dict) -> dict | None:

@@ -7,6 +7,9 @@ carries output_ids and meta_info.finish_reason {"type", "matched"}. Identity: /m
 
 from __future__ import annotations
 
+import logging
+import re
+
 import aiohttp
 
 from tokenmill.generate.engines.base import BadResponse, EngineAPI, get_json, has_flag
@@ -45,6 +48,14 @@ SAMPLING_KEYS = frozenset(
         "watermark",
     }
 )
+
+# Keys that not every SGLang release accepts: key -> the first release known to accept it.
+# 0.5.16 (measured, docs/sglang-api.md) answers each of these with a plain-text 500 on every
+# request; 0.5.23 (read from its source) accepts them. Releases in between are not known, so
+# they are refused there too (the message says how to get past it: drop the key).
+KEYS_SINCE = {"beam_width": (0, 5, 23), "watermark": (0, 5, 23)}
+
+log = logging.getLogger(__name__)
 
 # Keys the client sets itself (from stop_tokens and seed_policy); not allowed in the config.
 CLIENT_OWNED_KEYS = frozenset({"stop_token_ids", "sampling_seed"})
@@ -93,6 +104,56 @@ def validate_sampling(params: dict, skip_tokenizer_init: bool) -> None:
             )
 
 
+def launches_sglang(command: list[str] | None) -> bool:
+    """Does the launch command visibly start SGLang (or the reference engine), so that its
+    flags are the server's flags? (A wrapper script hides them: then only the server can tell.)"""
+    cmd = list(command or [])
+    return any(a in ("sglang.launch_server", "serve-reference") for a in cmd) or any(
+        a.rsplit("/", 1)[-1] == "sglang" and b == "serve"
+        for a, b in zip(cmd, cmd[1:], strict=False)
+    )
+
+
+def validate_launch(gen: dict) -> None:
+    """Config-time: seed_policy per_sample with a managed SGLang launched without
+    --enable-deterministic-inference would only be refused once the server is up."""
+    command = (gen.get("launch") or {}).get("command")
+    if (
+        gen.get("mode", "managed") == "managed"
+        and gen.get("seed_policy") == "per_sample"
+        and not gen.get("allow_ignored_seeds")
+        and launches_sglang(command)
+        and not has_flag(command, "--enable-deterministic-inference")
+    ):
+        raise ValueError(
+            "seed_policy: per_sample needs --enable-deterministic-inference in "
+            "generation.launch.command (without it SGLang accepts sampling_seed and ignores "
+            "it); or set generation.allow_ignored_seeds: true to run anyway"
+        )
+
+
+def parse_version(text) -> tuple[int, ...] | None:
+    """(major, minor, patch) of an SGLang version string ("0.5.16", "0.5.23.post1", "0.5.16-
+    fake"); None when it is not one (the reference engine reports "tokenmill-reference-...")."""
+    m = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", str(text or ""))
+    return tuple(int(x or 0) for x in m.groups()) if m else None
+
+
+def check_sampling_version(params: dict, version: str | None) -> None:
+    """Raise ValueError for a sampling key the running SGLang version does not accept."""
+    parsed = parse_version(version)
+    if parsed is None:
+        return
+    for key in sorted(params):
+        since = KEYS_SINCE.get(key)
+        if since and parsed < since:
+            raise ValueError(
+                f"generation.sampling.{key}: not accepted by SGLang {version} (the server's "
+                f"/server_info version; known from {'.'.join(map(str, since))}): that server "
+                "answers every request with a plain-text 500. Remove the key or upgrade the server"
+            )
+
+
 def parse_generate(obj) -> dict:
     """A /generate JSON object -> the GENERATED columns it carries (server/sample_key excluded)."""
     if isinstance(obj, list):
@@ -125,9 +186,37 @@ class SGLangAPI(EngineAPI):
 
     skip_tokenizer_init = staticmethod(skip_tokenizer_init)
     validate_sampling = staticmethod(validate_sampling)
+    validate_launch = staticmethod(validate_launch)
 
     def server_skips_tokenizer(self, server_info: dict) -> bool:
         return bool(server_info.get("skip_tokenizer_init"))
+
+    def check_server(self, gen: dict, server_info: dict, url: str) -> dict:
+        notes = super().check_server(gen, server_info, url)
+        version = server_info.get("version")
+        notes["version"] = version
+        if parse_version(version) is None:
+            log.warning(
+                "%s: server version %r is not an SGLang release number: sampling keys are not "
+                "checked against it", url, version,
+            )  # fmt: skip
+        check_sampling_version(gen.get("sampling") or {}, version)
+        if gen.get("seed_policy") == "per_sample":
+            det = bool(server_info.get("enable_deterministic_inference"))
+            notes["seeds_honoured"] = det
+            if not det and not gen.get("allow_ignored_seeds"):
+                raise ValueError(
+                    f"generation.seed_policy: per_sample needs an SGLang server started with "
+                    f"--enable-deterministic-inference, but {url} (version {version}) reports "
+                    f"enable_deterministic_inference="
+                    f"{server_info.get('enable_deterministic_inference')!r}: it would accept "
+                    "sampling_seed and ignore it. Add the flag to the launch command, or set "
+                    "generation.allow_ignored_seeds: true to run anyway (the meta and the "
+                    "provenance then say seeds_honoured: false)"
+                )
+            if not det:
+                log.warning("%s ignores sampling_seed (no deterministic inference)", url)
+        return notes
 
     def prepare(self, sampling: dict, stop_token_ids: list[int]) -> None:
         self._sampling = dict(sampling)
