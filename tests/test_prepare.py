@@ -317,3 +317,22 @@ def test_tokenmill_command_entry_point(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "1 kept, 0 rejected" in proc.stderr
+
+
+def test_opencodeinstruct_layout(tmp_path, capsys):
+    """OpenCodeInstruct's question is in `input` (no instruction column): with
+    {instruction: input, input: null} each prompt holds the question once; without
+    `input: null` the category is refused, naming the option, instead of doubling prompts."""
+    question = "Write a function that returns the n-th Fibonacci number."
+    record = {"id": "x1", "input": question, "output": "def fib(n): ...", "domain": "generic"}
+    write_jsonl(tmp_path / "oci.jsonl", [record])
+    cat = {"sources": ["oci.jsonl"], "format": "instruction"}
+    opts = {"instruction": "input", "input": None}
+    rc, out, _ = run_cli(tmp_path, cat | {"format_options": opts})
+    assert rc == 0
+    (row,) = read(out)
+    assert json.loads(row["messages"]) == [{"role": "user", "content": question}]
+
+    rc, out, _ = run_cli(tmp_path, cat | {"format_options": {"instruction": "input"}}, tag="2")
+    assert rc == 1 and not out.exists()
+    assert "format_options.input" in capsys.readouterr().err

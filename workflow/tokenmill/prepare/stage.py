@@ -61,6 +61,11 @@ def with_defaults(category: dict) -> dict:
         )
     if cat["turns"] not in formats.TURNS:
         raise PrepareError(f"category config: 'turns' must be one of {formats.TURNS}")
+    if any(normalize_source(s, cat)["format"] == "instruction" for s in cat["sources"]):
+        try:
+            formats.instruction_columns(cat["format_options"])
+        except formats.ColumnClash as exc:
+            raise PrepareError(f"category config: format_options.{exc.role}: {exc}") from None
     return cat
 
 
