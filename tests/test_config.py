@@ -70,6 +70,18 @@ CASES = {
         "generation.sampling",
         "no 'seed' key",
     ),
+    # OpenCodeInstruct keeps its question in `input`: {instruction: input} alone would also
+    # read `input` as the (default) input column and send every question twice.
+    "instruction column is the default input column": (
+        lambda c: c["categories"]["code"].update(format_options={"instruction": "input"}),
+        "categories.code.format_options.input",
+        "roles 'instruction' and 'input' both read column 'input' ('input' by default)",
+    ),
+    "two roles set to one column": (
+        lambda c: c["categories"]["code"].update(format_options={"input": "q", "system": "q"}),
+        "categories.code.format_options.system",
+        "both read column 'q'",
+    ),
     "hook without function": (
         lambda c: c["categories"]["chat"].update(format="hook", hook="sample.hooks:nope"),
         "categories.chat.hook",
@@ -86,6 +98,12 @@ def test_bad_config_names_the_key(base_config, case):
     message = str(err.value)
     assert f"config key '{key}'" in message, message
     assert expected in message, message
+
+
+def test_opencodeinstruct_layout_is_one_line(base_config):
+    config = copy.deepcopy(base_config)
+    config["categories"]["code"]["format_options"] = {"instruction": "input", "input": None}
+    check_config(config, ROOT)
 
 
 def test_bad_config_fails_snakemake_before_any_job(base_config, tmp_path):

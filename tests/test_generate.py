@@ -522,11 +522,13 @@ def test_vllm_engine_managed_end_to_end(tmp_path):
     assert m["model_info"]["model_path"] == "fake/model"
     sent = [json.loads(x)["vllm"] for x in r.counter.read_text().splitlines()]
     assert all(s["model"] == "fake/model" and s["max_tokens"] == 32 for s in sent)
-    # the same config on SGLang is another sample key: nothing is reused across engines
-    sglang_keys = Run(tmp_path / "s", n=12, stop_tokens=[])
-    assert contracts.read_metadata(r.out["g.parquet"])[
-        contracts.META_GENERATION_FINGERPRINT
-    ] != __import__("tokenmill.keys").keys.generation_fingerprint(sglang_keys.gen)
+    # The same config with only the engine changed (launch command, sampling, stop tokens
+    # identical) is another sample key: nothing is reused across engines.
+    from tokenmill.keys import generation_fingerprint
+
+    fingerprint = contracts.read_metadata(r.out["g.parquet"])[contracts.META_GENERATION_FINGERPRINT]
+    assert fingerprint == generation_fingerprint(r.gen)
+    assert fingerprint != generation_fingerprint(dict(r.gen, engine="sglang"))
 
 
 def test_vllm_unsupported_sampling_key_fails_before_any_request(tmp_path):

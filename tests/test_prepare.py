@@ -12,7 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from tokenmill import contracts
 from tokenmill.contracts import PROMPTS, REJECTED, read_metadata
+from tokenmill.prepare import formats
 from tokenmill.prepare import stage as prep
 from tokenmill.prepare.sources import SourceError, iter_source
 
@@ -217,6 +219,91 @@ def test_all_rejected_still_writes_both_files(tmp_path):
     check_counts(out, rej)
 
 
+def reference_prepare(category: str, cat: dict, basedir: Path):
+    """The stage's rules held in memory, written with whole-table writes: what the streaming
+    stage must reproduce byte for byte (dedup keeps the first in source order, max_prompts
+    keeps the best sample ranks, prompts sorted by prompt_id, rejections in source order)."""
+    kept, first_key, rejected = {}, {}, []
+    opts, seed, limit = cat.get("format_options"), cat.get("sample_seed", 0), cat["max_prompts"]
+
+    def reject(key, reason, detail, rec, pid=None):
+        rejected.append((key, dict(stage="prepare", category=category, reason=reason,
+                                   detail=detail, source=rec.location, prompt_id=pid,
+                                   record=rec.raw)))  # fmt: skip
+
+    for n, rec in enumerate(iter_source({"path": cat["sources"][0]}, basedir)):
+        if rec.data is None:
+            reject((n, 0), "unparseable", rec.error, rec)
+            continue
+        try:
+            prompts = formats.to_prompts(rec.data, cat["format"], opts, None, cat["turns"])
+        except formats.RecordError as exc:
+            reject((n, 0), exc.reason, exc.detail, rec)
+            continue
+        for turn, (pid, messages, tools) in enumerate(prompts):
+            if pid in kept:
+                reject((n, turn), "duplicate_prompt", f"same prompt as {kept[pid][0]['source']}",
+                       rec, pid)  # fmt: skip
+                continue
+            kept[pid] = (prep.prompt_row(pid, rec.location, messages, tools), rec)
+            first_key[pid] = (n, turn)
+    if limit is not None and len(kept) > limit:
+        for pid in sorted(kept, key=lambda p: prep.sample_rank(seed, p))[limit:]:
+            detail = f"not among the {limit} prompts chosen with sample_seed {seed}"
+            reject(first_key[pid], "over_max_prompts", detail, kept.pop(pid)[1], pid)
+    prompts = pa.Table.from_pylist([kept[p][0] for p in sorted(kept)], schema=PROMPTS)
+    rows = [row for _, row in sorted(rejected, key=lambda kr: kr[0])]
+    return prompts, contracts.rejected_table(rows)
+
+
+@pytest.mark.parametrize("flush_bytes", [prep.BUCKET_FLUSH_BYTES, 4096])
+@pytest.mark.parametrize("max_prompts", [None, 9000])
+def test_streaming_output_is_byte_identical_to_whole_tables(
+    tmp_path, monkeypatch, flush_bytes, max_prompts
+):
+    """20,000 prompts (three row groups) with duplicates, unparseable lines and several turns
+    per record: the streamed files equal whole-table writes of the same rows, byte for byte,
+    also when the kept prompts reach their buckets in many small pieces."""
+    monkeypatch.setattr(prep, "BUCKET_FLUSH_BYTES", flush_bytes)
+    records = []
+    for i in range(10_000):
+        j = i - 3 if i % 40 == 39 else i  # a duplicate record
+        conv = [
+            {"role": "user", "content": f"q{j}"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": f"again {j}"},
+            {"role": "assistant", "content": "b"},
+        ]
+        records.append("{broken" if i % 97 == 0 else {"messages": conv})
+    write_jsonl(tmp_path / "d.jsonl", records)
+    cat = {"sources": ["d.jsonl"], "format": "messages", "turns": "all",
+           "max_prompts": max_prompts, "sample_seed": 5}  # fmt: skip
+    rc, out, rej = run_cli(tmp_path, cat)
+    assert rc == 0
+    prompts, rejected = reference_prepare("cat", prep.with_defaults(cat), tmp_path)
+    assert prompts.num_rows > 2 * contracts.ROW_GROUP_SIZE or max_prompts
+    meta = read_metadata(out)
+    extra = {
+        k: v for k, v in meta.items() if k not in ("tokenmill.stage", "tokenmill.schema_version")
+    }
+    contracts.write_table(prompts, tmp_path / "ref.parquet", PROMPTS, "prepare", extra)
+    contracts.write_table(rejected, tmp_path / "ref_rej.parquet", REJECTED, "prepare", extra)
+    assert pq.read_table(out).equals(prompts)
+    assert pq.read_table(rej).equals(rejected)
+    assert out.read_bytes() == (tmp_path / "ref.parquet").read_bytes()
+    assert rej.read_bytes() == (tmp_path / "ref_rej.parquet").read_bytes()
+    assert not list(out.parent.glob(".*")), "spill files left behind"
+
+
+def test_unreadable_source_mid_stream_leaves_no_file(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [qa(i) for i in range(3000)])
+    (tmp_path / "b.jsonl").write_bytes(b'{"instruction": "\xff\xfe"}\n')
+    cat = {"sources": ["a.jsonl", "b.jsonl"], "format": "instruction"}
+    rc, out, rej = run_cli(tmp_path, cat)
+    assert rc == 1 and not out.exists() and not rej.exists()
+    assert not list(out.parent.iterdir()), "spill files left behind"
+
+
 # ---------------------------------------------------------------------------------------------
 # Sources
 
@@ -317,3 +404,22 @@ def test_tokenmill_command_entry_point(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "1 kept, 0 rejected" in proc.stderr
+
+
+def test_opencodeinstruct_layout(tmp_path, capsys):
+    """OpenCodeInstruct's question is in `input` (no instruction column): with
+    {instruction: input, input: null} each prompt holds the question once; without
+    `input: null` the category is refused, naming the option, instead of doubling prompts."""
+    question = "Write a function that returns the n-th Fibonacci number."
+    record = {"id": "x1", "input": question, "output": "def fib(n): ...", "domain": "generic"}
+    write_jsonl(tmp_path / "oci.jsonl", [record])
+    cat = {"sources": ["oci.jsonl"], "format": "instruction"}
+    opts = {"instruction": "input", "input": None}
+    rc, out, _ = run_cli(tmp_path, cat | {"format_options": opts})
+    assert rc == 0
+    (row,) = read(out)
+    assert json.loads(row["messages"]) == [{"role": "user", "content": question}]
+
+    rc, out, _ = run_cli(tmp_path, cat | {"format_options": {"instruction": "input"}}, tag="2")
+    assert rc == 1 and not out.exists()
+    assert "format_options.input" in capsys.readouterr().err

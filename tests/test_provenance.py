@@ -177,3 +177,23 @@ def test_compare_outputs_identical_and_altered(tmp_path, monkeypatch):
     s = rep["generated_samples"]
     assert (s["total"], s["identical"], s["different"]) == (4, 3, 1)
     assert Path(report_path).exists()
+
+
+def test_absolute_paths_for_sources_tokenizer_and_model(tmp_path, monkeypatch):
+    """Clusters use /models/... and /scratch/...: absolute paths are recorded as the config
+    gives them (they used to fail the last rule after all data was written), and a checkout
+    with the same files can reproduce the manifest."""
+    base, r, config = setup_run(tmp_path, monkeypatch)
+    config = copy.deepcopy(config)
+    config["tokenizer"]["path"] = str(base / "tok")
+    config["generation"]["model"] = str(base / "tok")
+    config["categories"]["chat"]["sources"] = [str(base / "data" / "*.jsonl")]
+    config["categories"]["code"]["sources"] = [str(base / "data" / "code.jsonl")]
+    m = json.loads(run_provenance(base, r, config).read_text())
+    assert {e["path"] for e in m["inputs"]["chat"]} == {
+        str(base / "data" / "chat.jsonl"),
+        str(base / "data" / "code.jsonl"),
+    }
+    assert str(base / "tok" / "tokenizer.json") in {e["path"] for e in m["tokenizer"]["files"]}
+    assert m["model"]["id"] == str(base / "tok")
+    assert provenance.check_reproducible(m, config, "/nonexistent-basedir") == []

@@ -183,7 +183,7 @@ def sacct(jobs: list[str]) -> dict[str, dict]:
 
 
 def journal_records(workdir: Path, category: str, shard: str) -> int:
-    files = (workdir / "results/journal" / category).glob(f"{shard}.*.jsonl")
+    files = (workdir / "journal" / category).glob(f"{shard}.*.jsonl")
     return sum(p.read_bytes().count(b"\n") for p in files)
 
 
@@ -337,7 +337,7 @@ def fresh_copy(pipeline, tmp_path: Path, drop: list[str]) -> Path:
     given results, the journal, the SLURM logs and the probe log."""
     workdir = tmp_path / "wf"
     shutil.copytree(pipeline["slurm"], workdir, symlinks=True)
-    for name in ["results/journal", "results/logs/generate", "slurm_logs", PROBE_LOG, *drop]:
+    for name in ["journal", "results/logs/generate", "slurm_logs", PROBE_LOG, *drop]:
         for path in workdir.glob(name):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     return workdir

@@ -5,7 +5,12 @@ engine in managed mode, then the incremental-rebuild promises:
 - editing one prompt reruns prepare and tokenize of that category only, then generate,
   merge and export of exactly one shard (the engine receives exactly one request), and
   every other data file keeps its bytes;
-- changing the chat template kwargs re-tokenizes every category.
+- changing the chat template kwargs re-tokenizes every category;
+- changing an operational key (concurrency, retries, timeouts, resources, start-up limits,
+  the journal's location, the config file's name) reruns nothing, and changing a key that
+  shapes the tokens reruns generate and merge of every shard, and nothing upstream;
+- a controller killed with SIGKILL leaves Snakemake's lock: the next start fails and says how
+  to unlock; a config with absolute paths for everything runs to the end (provenance included).
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -87,19 +94,68 @@ def finished_run(tmp_path_factory):
     return workdir
 
 
-def test_full_pipeline_outputs(finished_run):
-    results = finished_run / "results"
-    config = yaml.safe_load((finished_run / "config.yaml").read_text())
+def stop_token_ids(workdir: Path, config: dict) -> set[int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(workdir / config["tokenizer"]["path"] / "tokenizer.json"))
+    ids = {
+        tok.token_to_id(t) if isinstance(t, str) else t for t in config["generation"]["stop_tokens"]
+    }
+    assert None not in ids, ids
+    return ids
+
+
+def check_dataset(workdir: Path, results: Path, config: dict) -> int:
+    """Every kept row is exactly prompt_ids + output_ids (loss on the output, a stop token
+    last), and per shard rejected + kept = generated. Returns the number of kept rows."""
+    stops = stop_token_ids(workdir, config)
+    total_kept = 0
     for category, cat in config["categories"].items():
         shards = sorted((results / "tokenized" / category).glob("*.parquet"))
         assert len(shards) == cat["shards"]
+        kept_in_category = 0
         for shard in shards:
-            tokenized = pq.read_table(shard)
-            dataset = pq.read_table(results / "dataset" / category / shard.name)
-            assert dataset.num_rows <= tokenized.num_rows
+            prompts = {
+                r["prompt_id"]: r["prompt_ids"]
+                for r in pq.read_table(shard, columns=["prompt_id", "prompt_ids"]).to_pylist()
+            }
+            generated = {
+                r["prompt_id"]: r["output_ids"]
+                for r in pq.read_table(results / "generated" / category / shard.name).to_pylist()
+            }
+            rows = pq.read_table(results / "dataset" / category / shard.name).to_pylist()
+            rejected = pq.read_table(results / "rejected/merge" / category / shard.name)
+            from_generated = [
+                r for r in rejected.column("reason").to_pylist() if r != "not_generated"
+            ]
+            assert len(rows) + len(from_generated) == len(generated), (category, shard.name)
+            for row in rows:
+                prompt, output = prompts[row["prompt_id"]], generated[row["prompt_id"]]
+                assert row["input_ids"] == prompt + output
+                assert row["loss_mask"] == [0] * len(prompt) + [1] * len(output)
+                assert output and output[-1] in stops, (row["prompt_id"], output[-5:])
             assert (results / "export" / category / (shard.stem + ".jsonl")).exists()
+            kept_in_category += len(rows)
+        assert kept_in_category > 0, f"the demo kept no row of {category}"
+        total_kept += kept_in_category
+    return total_kept
+
+
+def test_full_pipeline_outputs(finished_run):
+    results = finished_run / "results"
+    config = yaml.safe_load((finished_run / "config.yaml").read_text())
+    kept = check_dataset(finished_run, results, config)
+    summary = json.loads((results / "stats/summary.json").read_text())
+    assert summary["overall"]["stages"]["merge"]["kept"] == kept
+    assert summary["conservation"]["ok"], summary["conservation"]
+    # The demo runs on CPU (gpus: 0): no GPU-hours are invented.
+    assert summary["overall"]["generation"]["gpu_hours"] is None
+    assert summary["overall"]["generation"]["output_tokens_per_s"] > 0
     for name in ("stats/summary.json", "dataset/README.md", "provenance.json"):
         assert (results / name).exists(), name
+    # The journal lives outside results/: `make clean` (rm -rf results .snakemake) keeps it.
+    assert any((finished_run / "journal").rglob("*.jsonl"))
+    assert not (results / "journal").exists()
 
 
 def test_second_run_does_nothing(finished_run):
@@ -188,6 +244,72 @@ def test_changing_the_chat_template_kwargs_retokenizes_everything(finished_run, 
     assert not prepare, prepare
 
 
+def _set(config: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    for key in parents:
+        config = config[key]
+    config[last] = value
+
+
+# Keys that change how a job runs, never its tokens (with the values a user would set after
+# an out-of-memory kill, a slow start or a busy server).
+OPERATIONAL = {
+    "generation.concurrency": 4,
+    "generation.request_timeout_s": 120,
+    "generation.progress_interval_s": 5,
+    "generation.retry": {"max_attempts": 3, "backoff_initial_s": 0.5, "backoff_max_s": 5.0},
+    "generation.resources": {"gpus": 8, "cpus": 16, "mem_mb": 256000, "runtime_min": 600},
+    "generation.launch.startup_timeout_s": 3600,
+    "generation.launch.max_restarts": 5,
+    "generation.launch.env": {"OMP_NUM_THREADS": "1"},
+    "generation.api_key_env": "TOKENMILL_NO_SUCH_KEY",
+    "journal_dir": "elsewhere/journal",
+}
+
+
+def test_operational_keys_rerun_nothing(finished_run, tmp_path):
+    config = yaml.safe_load((finished_run / "config.yaml").read_text())
+    for key, value in OPERATIONAL.items():
+        _set(config, key, value)
+    # a launch flag that only says how the engine logs (not part of the fingerprint)
+    config["generation"]["launch"]["command"] += ["--log-level", "warning"]
+    configfile = tmp_path / "operational.yaml"  # another file name, too
+    configfile.write_text(yaml.safe_dump(config))
+    run = snakemake(finished_run, "--configfile", str(configfile))
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
+    assert not jobs_in(run.stdout + run.stderr), run.stdout[-4000:] + run.stderr[-4000:]
+    assert "Nothing to be done" in run.stdout + run.stderr
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("generation.sampling.max_new_tokens", 200),
+        ("generation.stop_tokens", ["<|im_end|>", 3]),
+        ("generation.seed_policy", "per_sample"),
+        ("generation.engine", "vllm"),
+    ],
+)
+def test_token_keys_rerun_generation_only(finished_run, tmp_path, key, value):
+    config = yaml.safe_load((finished_run / "config.yaml").read_text())
+    _set(config, key, value)
+    configfile = tmp_path / "tokens.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    dry = snakemake(finished_run, "-n", "--configfile", str(configfile))
+    assert dry.returncode == 0, dry.stdout[-4000:] + dry.stderr[-4000:]
+    planned = jobs_in(dry.stdout + dry.stderr)
+    shards = {
+        f"category={c}, shard={s:03d}"
+        for c, cat in config["categories"].items()
+        for s in range(cat["shards"])
+    }
+    per_rule = {rule: {wc for r, wc in planned if r == rule} for rule, _ in planned}
+    assert per_rule.pop("generate_shard") == shards, planned
+    assert per_rule.pop("merge_shard") == shards, planned
+    assert per_rule.pop("export_jsonl") == shards, planned
+    assert set(per_rule) == {"summarize_stats", "write_dataset_card", "write_provenance", "all"}
+
+
 def tokenmill(workdir: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(BIN / "tokenmill"), *args], cwd=workdir, capture_output=True, text=True, timeout=300
@@ -232,3 +354,86 @@ def test_reproduce_from_provenance_matches_byte_for_byte(finished_run):
     assert refused.returncode != 0
     said = refused.stdout + refused.stderr
     assert "cannot reproduce" in said and "code_sample.jsonl" in said, said
+
+
+@pytest.fixture(scope="module")
+def absolute_run(tmp_path_factory):
+    """The `code` category with absolute paths for everything, as on a cluster (/scratch/...
+    data, /models/... model, results and journal elsewhere). Its first controller is killed
+    with SIGKILL once it holds Snakemake's lock; then a restart, --unlock, and a full run."""
+    root = tmp_path_factory.mktemp("abs")
+    workdir = root / "wf"
+    workdir.mkdir()
+    copy_workflow(workdir)
+    models, scratch = root / "models", root / "scratch"
+    shutil.copytree(ROOT / "sample/model", models / "tiny")
+    shutil.copytree(ROOT / "sample/data/code", scratch / "code")
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    config["results_dir"] = str(root / "out" / "results")
+    config["journal_dir"] = str(root / "out" / "journal")
+    config["tokenizer"]["path"] = config["generation"]["model"] = str(models / "tiny")
+    code = config["categories"]["code"] | {"sources": [str(scratch / "code" / "*.jsonl")]}
+    config["categories"] = {"code": code}
+    configfile = root / "absolute.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    args = ["--configfile", str(configfile)]
+
+    argv = [str(BIN / "snakemake"), "--profile", "profiles/local", "--cores", "2", *args]
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", HF_HUB_OFFLINE="1")
+    controller = subprocess.Popen(
+        argv, cwd=workdir, env=env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    locks, deadline = workdir / ".snakemake" / "locks", time.monotonic() + 300
+    while not any(locks.glob("*.lock")):
+        assert controller.poll() is None, "the controller ended before it took the lock"
+        assert time.monotonic() < deadline, "no lock after 300 s"
+        time.sleep(0.1)
+    os.killpg(controller.pid, signal.SIGKILL)  # the controller and the jobs it started
+    controller.wait()
+    return {
+        "workdir": workdir,
+        "root": root,
+        "config": config,
+        "locked": snakemake(workdir, *args),
+        "unlock": snakemake(workdir, *args, "--unlock"),
+        "run": snakemake(workdir, *args),
+    }
+
+
+def test_killed_controller_lock_says_how_to_unlock(absolute_run):
+    locked = absolute_run["locked"]
+    said = locked.stdout + locked.stderr
+    assert locked.returncode != 0
+    assert "Directory cannot be locked" in said, said[-4000:]
+    hint = next(line for line in said.splitlines() if line.strip().startswith("snakemake "))
+    assert "--profile profiles/local" in hint and "--configfile" in hint, hint
+    assert hint.strip().endswith("--unlock"), hint
+    assert absolute_run["unlock"].returncode == 0, absolute_run["unlock"].stderr[-4000:]
+    run = absolute_run["run"]
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
+    assert "tokenmill: Snakemake's lock" not in run.stdout + run.stderr
+
+
+def test_absolute_paths_everywhere_provenance_and_verify(absolute_run):
+    run, config, root = absolute_run["run"], absolute_run["config"], absolute_run["root"]
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
+    results = Path(config["results_dir"])
+    assert check_dataset(absolute_run["workdir"], results, config) > 0
+    manifest = json.loads((results / "provenance.json").read_text())
+    inputs = [e["path"] for e in manifest["inputs"]["code"]]
+    assert inputs == [str(root / "scratch/code/code_sample.jsonl")], inputs
+    tok_files = {e["path"] for e in manifest["tokenizer"]["files"]}
+    assert str(root / "models/tiny/tokenizer.json") in tok_files, tok_files
+    assert manifest["model"]["id"] == str(root / "models/tiny")
+    assert any(Path(config["journal_dir"]).rglob("*.jsonl"))
+    ok = tokenmill(
+        absolute_run["workdir"], "verify", str(results / "provenance.json"), str(results)
+    )
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+    from tokenmill.config import check_config
+    from tokenmill.provenance.reproduce import reproduce_problems
+
+    resolved = check_config(json.loads(json.dumps(config)), absolute_run["workdir"])
+    assert reproduce_problems(manifest, resolved, absolute_run["workdir"]) == []

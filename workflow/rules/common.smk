@@ -2,9 +2,16 @@
 import json
 import os
 import re
+import sys
 
 from tokenmill import workflow_support as support
-from tokenmill.config import ConfigError, check_config
+from tokenmill.config import (
+    ConfigError,
+    check_config,
+    job_environment,
+    merge_dataset_config,
+    outputs_config,
+)
 from tokenmill.keys import generation_fingerprint
 from tokenmill.tokenization.shards import shard_names
 
@@ -14,6 +21,21 @@ try:
     check_config(config, basedir=".")
 except ConfigError as exc:
     raise WorkflowError(str(exc)) from None
+
+# Operational settings (concurrency, retries, timeouts, resources, engine start-up limits,
+# external URLs, the journal's location) change how a job runs, never its tokens, so changing
+# one must rerun nothing. Snakemake reruns a job whose params or shell text changed, so the
+# rules take these settings from the environment instead: every job, local or on SLURM, runs
+# after this file was parsed with the same config, and its shell inherits the variables.
+# The rules' params carry only what shapes the outputs (fingerprints, token-relevant keys).
+os.environ.update(job_environment(config, workflow.configfiles))
+
+# Snakemake's own "Directory cannot be locked" error after a killed controller is easy to miss
+# and does not say how to unlock with this run's profile and config: say it first.
+if not (workflow.remote_exec or workflow.subprocess_exec):
+    _lock_hint = support.stale_lock_hint(sys.argv)
+    if _lock_hint:
+        print(_lock_hint, file=sys.stderr)
 
 RESULTS = config["results_dir"]
 CATEGORIES = sorted(config["categories"])
@@ -63,12 +85,9 @@ def tokenizer_json(wildcards=None):
     return json.dumps(config["tokenizer"], sort_keys=True)
 
 
-def generation_json(wildcards=None):
-    return json.dumps(config["generation"], sort_keys=True)
-
-
-def dataset_json(wildcards=None):
-    return json.dumps(config["dataset"], sort_keys=True)
+def merge_dataset_json(wildcards=None):
+    """The dataset section as merge reads it (export_jsonl is the export rule's business)."""
+    return json.dumps(merge_dataset_config(config["dataset"]), sort_keys=True)
 
 
 def tokenized_shard(wildcards):
@@ -117,8 +136,9 @@ def generate_log_dir(wildcards):
     return res(f"logs/generate/{wildcards.category}/{wildcards.shard}")
 
 
-def config_json(wildcards=None):
-    return json.dumps(config, sort_keys=True)
+def outputs_config_json(wildcards=None):
+    """The config without its operational settings: what stats, card and provenance rerun on."""
+    return json.dumps(outputs_config(config), sort_keys=True)
 
 
 def final_outputs_except_provenance(wildcards=None):

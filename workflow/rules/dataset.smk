@@ -12,16 +12,18 @@ rule merge_shard:
         res("benchmarks/merge/{category}/{shard}.tsv")
     conda:
         "../../envs/tokenmill.yaml"
+    # The generation section comes from the environment (see common.smk); its fingerprint is
+    # the rerun trigger.
     params:
-        dataset=dataset_json,
-        generation=generation_json,
+        dataset=merge_dataset_json,
+        generation_fingerprint=GENERATION_FINGERPRINT,
         tokenizer=tokenizer_json,
     shell:
         "tokenmill merge --category {wildcards.category:q} --shard {wildcards.shard}"
         " --tokenized {input.tokenized:q} --generated {input.generated:q}"
         " --generate-rejected {input.generate_rejected:q}"
         " --out {output.dataset:q} --rejected {output.rejected:q}"
-        " --dataset-config {params.dataset:q} --generation-config {params.generation:q}"
+        ' --dataset-config {params.dataset:q} --generation-config "$TOKENMILL_GENERATION_JSON"'
         " --tokenizer-config {params.tokenizer:q} > {log:q} 2>&1"
 
 
@@ -63,11 +65,13 @@ rule summarize_stats:
         res("logs/stats.log"),
     conda:
         "../../envs/tokenmill.yaml"
+    # params.config (the config without operational settings) is the rerun trigger; the
+    # command reads the whole resolved config from the environment (see common.smk).
     params:
-        config=config_json,
+        config=outputs_config_json,
         results=results_dir,
     shell:
-        "tokenmill stats --results-dir {params.results:q} --config-json {params.config:q}"
+        'tokenmill stats --results-dir {params.results:q} --config-json "$TOKENMILL_CONFIG_JSON"'
         " --out-dir $(dirname {output.summary:q}) > {log:q} 2>&1"
 
 
@@ -82,10 +86,10 @@ rule write_dataset_card:
     conda:
         "../../envs/tokenmill.yaml"
     params:
-        config=config_json,
+        config=outputs_config_json,
         results=results_dir,
     shell:
-        "tokenmill card --results-dir {params.results:q} --config-json {params.config:q}"
+        'tokenmill card --results-dir {params.results:q} --config-json "$TOKENMILL_CONFIG_JSON"'
         " --stats {input.stats:q} --out {output.card:q} > {log:q} 2>&1"
 
 
@@ -98,13 +102,14 @@ rule write_provenance:
         res("logs/provenance.log"),
     conda:
         "../../envs/tokenmill.yaml"
+    # Which --configfile was given is not a rerun trigger either: the resolved config is.
     params:
-        config=config_json,
+        config=outputs_config_json,
         results=results_dir,
-        configfiles=workflow.configfiles,
     shell:
-        "tokenmill provenance --results-dir {params.results:q} --config-json {params.config:q}"
-        " --configfiles {params.configfiles:q} --out {output.provenance:q} > {log:q} 2>&1"
+        "tokenmill provenance --results-dir {params.results:q}"
+        ' --config-json "$TOKENMILL_CONFIG_JSON" --configfiles-json "$TOKENMILL_CONFIGFILES_JSON"'
+        " --out {output.provenance:q} > {log:q} 2>&1"
 
 
 rule compare_with_manifest:

@@ -21,15 +21,16 @@ rule generate_shard:
         runtime=generate_runtime,
         # A multi-node engine (generation.launch.nnodes > 1) needs all its nodes in one job.
         nodes=config["generation"]["launch"]["nnodes"],
+    # Rerun on what shapes the tokens only; the whole generation section and the journal's
+    # location come from the environment (see common.smk): concurrency, retries, timeouts and
+    # resources can change without rerunning a shard.
     params:
-        generation=generation_json,
         tokenizer=tokenizer_json,
         generation_fingerprint=GENERATION_FINGERPRINT,
-        journal=config["journal_dir"],
         log_dir=generate_log_dir,
     shell:
         "tokenmill generate --category {wildcards.category:q} --shard {wildcards.shard}"
-        " --generation-config {params.generation:q} --tokenizer-config {params.tokenizer:q}"
+        ' --generation-config "$TOKENMILL_GENERATION_JSON" --tokenizer-config {params.tokenizer:q}'
         " --tokenized {input.tokenized:q} --out {output.generated:q}"
         " --rejected {output.rejected:q} --meta {output.meta:q}"
-        " --journal-dir {params.journal:q} --log-dir {params.log_dir:q} > {log:q} 2>&1"
+        ' --journal-dir "$TOKENMILL_JOURNAL_DIR" --log-dir {params.log_dir:q} > {log:q} 2>&1'

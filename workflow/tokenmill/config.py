@@ -99,6 +99,13 @@ def check_semantics(config: dict, basedir: str | Path = ".") -> None:
                 except SourceError:
                     problems.append(f"config key '{key}': no file matches '{spec['path']}'")
         fmt_formats = {normalize_source(s, cat)["format"] for s in cat["sources"]}
+        if "instruction" in fmt_formats:
+            from tokenmill.prepare.formats import ColumnClash, instruction_columns
+
+            try:
+                instruction_columns(cat.get("format_options"))
+            except ColumnClash as exc:
+                problems.append(f"config key 'categories.{name}.format_options.{exc.role}': {exc}")
         if "hook" in fmt_formats:
             hook = cat.get("hook")
             if not hook:
@@ -151,6 +158,46 @@ def load_hook(spec: str, basedir: str | Path = "."):
     if not callable(func):
         raise ConfigError(f"'{spec}': module '{module_name}' has no function '{func_name}'")
     return func
+
+
+# What a job needs but must not rerun on: the rules read these variables in their shell
+# commands (set by workflow/rules/common.smk from the resolved config at parse time).
+ENV_CONFIG = "TOKENMILL_CONFIG_JSON"  # the whole resolved config
+ENV_GENERATION = "TOKENMILL_GENERATION_JSON"  # its generation section
+ENV_JOURNAL_DIR = "TOKENMILL_JOURNAL_DIR"
+ENV_CONFIGFILES = "TOKENMILL_CONFIGFILES_JSON"  # the --configfile paths, a JSON list
+
+# Top-level keys that say where or how to run, not what to produce.
+OPERATIONAL_TOP_KEYS = ("journal_dir",)
+
+
+def job_environment(config: dict, configfiles=()) -> dict[str, str]:
+    """The environment variables that hand jobs their operational settings."""
+    return {
+        ENV_CONFIG: json.dumps(config, sort_keys=True),
+        ENV_GENERATION: json.dumps(config.get("generation", {}), sort_keys=True),
+        ENV_JOURNAL_DIR: str(config.get("journal_dir", "journal")),
+        ENV_CONFIGFILES: json.dumps([str(f) for f in configfiles]),
+    }
+
+
+def outputs_config(config: dict) -> dict:
+    """The config as far as it shapes outputs: the rerun trigger of the rules that read the
+    whole config (stats, card, provenance). Generation counts only through its fingerprint
+    (model, revision, engine, sampling, stop tokens, seed policy, output-relevant launch
+    flags): concurrency, retries, timeouts, resources, start-up limits, URLs and the like do
+    not change a token, and neither does where the journal lives."""
+    from tokenmill.keys import generation_fingerprint
+
+    view = {k: v for k, v in config.items() if k not in OPERATIONAL_TOP_KEYS}
+    if "generation" in view:
+        view["generation"] = {"fingerprint": generation_fingerprint(view["generation"])}
+    return view
+
+
+def merge_dataset_config(dataset: dict) -> dict:
+    """The dataset section as merge uses it: export_jsonl only adds the export jobs."""
+    return {k: v for k, v in dataset.items() if k != "export_jsonl"}
 
 
 def check_config(config: dict, basedir: str | Path = ".") -> dict:

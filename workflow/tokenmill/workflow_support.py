@@ -4,6 +4,7 @@ imports here, because Snakemake parses the workflow in every job it starts."""
 from __future__ import annotations
 
 import hashlib
+import shlex
 from pathlib import Path
 
 from tokenmill.config import normalize_source
@@ -35,3 +36,22 @@ def tokenizer_params_fingerprint(cfg: dict, basedir) -> str:
         files.append({"name": "chat_template", "sha256": sha256_file(template)})
     h.update(canonical_json([[f["name"], f["sha256"]] for f in files]).encode())
     return h.hexdigest()
+
+
+def stale_lock_hint(argv: list[str], workdir=".") -> str | None:
+    """What to do about Snakemake's lock, when one is present and this is not `--unlock`.
+
+    A controller killed with SIGKILL (a lost login session, an out-of-memory kill) cannot
+    remove its lock in .snakemake/locks, and every later start fails with "Directory cannot
+    be locked". The hint names the command that removes it: the same one, plus --unlock.
+    """
+    locks = sorted((Path(workdir) / ".snakemake" / "locks").glob("*.lock"))
+    if not locks or "--unlock" in argv:
+        return None
+    unlock = shlex.join(["snakemake", *argv[1:], "--unlock"])
+    return (
+        "tokenmill: Snakemake's lock is present (.snakemake/locks). If another snakemake is "
+        "running in this directory, let it finish. If none is (a killed controller leaves its "
+        f"lock behind), remove the lock with the same command plus --unlock:\n    {unlock}\n"
+        "then start the run again: finished jobs are kept, generate resumes from the journal."
+    )

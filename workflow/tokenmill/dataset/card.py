@@ -112,8 +112,8 @@ def render(results_dir, config: dict, summary: dict | None) -> str:
         lines += ["", "## Statistics", ""]
         lines += [
             "| category | rows | prompt tokens (mean) | output tokens (mean / p99) | "
-            "total tokens (mean / max) |",
-            "|---|---:|---:|---:|---:|",
+            "total tokens (mean / max) | unterminated reasoning |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
         scopes = list(summary.get("categories", {}).items()) + [("all", summary.get("overall"))]
         for cat, s in scopes:
@@ -123,9 +123,25 @@ def render(results_dir, config: dict, summary: dict | None) -> str:
             lines.append(
                 f"| {cat} | {L['total_tokens']['count']} | {L['prompt_tokens']['mean']} | "
                 f"{L['output_tokens']['mean']} / {L['output_tokens']['p99']} | "
-                f"{L['total_tokens']['mean']} / {L['total_tokens']['max']} |"
+                f"{L['total_tokens']['mean']} / {L['total_tokens']['max']} | "
+                f"{_known((s.get('reasoning') or {}).get('unterminated'))} |"
             )
+        overall = summary.get("overall") or {}
+        g, c = overall.get("generation") or {}, overall.get("prefix_cache") or {}
+        lines += [
+            "",
+            "Unterminated reasoning: outputs that opened a thinking block and never closed it "
+            "(their tokens are reasoning, not answer). Generation: "
+            f"{_known(g.get('output_tokens_per_s'))} output tokens/s, "
+            f"{_known(g.get('gpu_hours'))} GPU-hours, prefix-cache hit rate "
+            f"{_known(c.get('hit_rate'))} (unknown: not reported by the engine, or not the "
+            "run's own GPUs).",
+        ]
     return "\n".join(lines) + "\n"
+
+
+def _known(value) -> str:
+    return "unknown" if value is None else str(value)
 
 
 def main(argv: list[str]) -> int:

@@ -20,6 +20,10 @@ Formats:
                RESPONSE: turns, `<functioncall> {...}` -> tool_calls, <|endoftext|> dropped.
   instruction  Alpaca style: user = instruction (+ "\\n\\n" + input when non-empty), optional
                system column; the output column is the answer to regenerate and is dropped.
+               format_options renames the columns; null means "no such column" (input,
+               system, output). Two roles reading one column is a config error: with
+               OpenCodeInstruct's layout ({instruction: input}) the default input column
+               would repeat every question, so it says {instruction: input, input: null}.
   hook         a user function(record) -> messages list or {"messages", "tools"?}.
 
 Turn selection (`turns`), applied to a valid conversation:
@@ -410,22 +414,63 @@ def from_glaive(record: dict, options: dict | None = None):
     return messages, tools
 
 
-def from_instruction(record: dict, options: dict | None = None):
+# The instruction format's roles and their default columns (format_options renames them).
+INSTRUCTION_COLUMNS = {"instruction": "instruction", "input": "input", "output": "output",
+                       "system": "system"}  # fmt: skip
+
+
+class ColumnClash(ValueError):
+    """Two roles of the instruction format read the same column; `role` is the one to change."""
+
+    def __init__(self, role: str, message: str):
+        super().__init__(message)
+        self.role = role
+
+
+def instruction_columns(options: dict | None) -> dict[str, str | None]:
+    """{role: column or None} for the instruction format. Raises ColumnClash when two roles
+    read one column (OpenCodeInstruct's question is in `input`: {instruction: input} alone
+    would also read it as the input column and repeat every question)."""
     options = options or {}
-    col_instruction = options.get("instruction", "instruction")
-    col_input = options.get("input", "input")
-    col_system = options.get("system", "system")
+    columns = {role: options.get(role, default) for role, default in INSTRUCTION_COLUMNS.items()}
+    if columns["instruction"] is None:
+        raise ColumnClash("instruction", "the instruction column cannot be null")
+    seen: dict[str, str] = {}
+    for role, column in columns.items():
+        if column is None:
+            continue
+        if column in seen:
+            first = seen[column]
+            # Name the role whose column was defaulted (that is where the fix goes), but never
+            # the instruction, which every record needs.
+            fix = first if first not in options and first != "instruction" else role
+            how = "by default" if fix not in options else "as set"
+            raise ColumnClash(
+                fix,
+                f"roles '{first}' and '{role}' both read column '{column}' ('{fix}' {how}), "
+                f"so that text would be used twice. Set format_options.{fix} to another "
+                "column, or to null if the data has no such column",
+            )
+        seen[column] = role
+    return columns
+
+
+def from_instruction(record: dict, options: dict | None = None):
+    columns = instruction_columns(options)
+    col_instruction, col_input, col_system = (
+        columns["instruction"], columns["input"], columns["system"]
+    )  # fmt: skip
     instruction = record.get(col_instruction)
     if not isinstance(instruction, str) or not instruction.strip():
         raise RecordError(MISSING_FIELD, f"record has no (non-empty) '{col_instruction}'")
     content = instruction
-    extra = record.get(col_input)
+    extra = record.get(col_input) if col_input is not None else None
     if extra is not None and not isinstance(extra, str):
         raise RecordError(UNSUPPORTED_CONTENT, f"'{col_input}' is a {type(extra).__name__}")
     if extra and extra.strip():
         content = f"{instruction}\n\n{extra}"
     messages = []
-    system = record.get(col_system)
+    system = record.get(col_system) if col_system is not None else None
     if isinstance(system, str) and system.strip():
         messages.append({"role": "system", "content": system})
     messages.append({"role": "user", "content": content})

@@ -78,10 +78,11 @@ PACKAGES = (
 )
 
 
-def file_entry(path, rel_to=None) -> dict:
+def file_entry(path, shown=None) -> dict:
+    """{path, size, sha256} of a file; `shown` is the path to record (default: as given)."""
     p = Path(path)
     return {
-        "path": str(p.relative_to(rel_to)) if rel_to else str(path),
+        "path": str(path) if shown is None else str(shown),
         "size": p.stat().st_size,
         "sha256": sha256_file(p),
     }
@@ -116,9 +117,10 @@ def _inputs(config: dict, basedir: Path) -> dict:
                     }
                 )
                 continue
-            # The same expansion prepare reads (recursive globs, files only).
-            for _, f in expand_paths(s["path"], basedir):
-                e = file_entry(f, basedir)
+            # The same expansion prepare reads (recursive globs, files only), recorded as the
+            # config writes it: relative to the workflow, or absolute (/scratch/..., /data/...).
+            for shown, f in expand_paths(s["path"], basedir):
+                e = file_entry(f, shown)
                 e["kind"] = "file"
                 entries.append(e)
         out[cat] = entries
@@ -126,13 +128,21 @@ def _inputs(config: dict, basedir: Path) -> dict:
 
 
 def _tokenizer_files(config: dict, basedir: Path) -> list[dict]:
+    """Every file of a local tokenizer directory and the chat template file, each recorded
+    under the path the config gives (tokenizer.path joined with the file's name inside it), so
+    an absolute tokenizer.path such as /models/kimi is recorded as it is."""
     tok = config.get("tokenizer", {})
     files = []
-    local = basedir / tok.get("path", "")
+    local = basedir / tok.get("path", "")  # an absolute tokenizer.path stays absolute
     if tok.get("path") and local.is_dir():
-        files += [file_entry(p, basedir) for p in sorted(local.rglob("*")) if p.is_file()]
+        shown = Path(tok["path"])
+        files += [
+            file_entry(p, (shown / p.relative_to(local)).as_posix())
+            for p in sorted(local.rglob("*"))
+            if p.is_file()
+        ]
     if tok.get("chat_template") and (basedir / tok["chat_template"]).is_file():
-        files.append(file_entry(basedir / tok["chat_template"], basedir))
+        files.append(file_entry(basedir / tok["chat_template"], tok["chat_template"]))
     return files
 
 
@@ -177,7 +187,7 @@ def _excluded(rel: str, journal_rel: str | None, out_rel: str | None) -> bool:
 
 def output_paths(results: Path, config: dict, out_path: Path | None = None) -> list[str]:
     """Paths (relative, posix) of the files under results that the provenance lists."""
-    journal = Path(config.get("journal_dir", "results/journal"))
+    journal = Path(config.get("journal_dir", "journal"))
     journal_rel = None
     try:
         journal_rel = str(journal.resolve().relative_to(results.resolve()))
@@ -198,8 +208,7 @@ def list_outputs(results: Path, config: dict, out_path: Path | None = None) -> l
     entries = []
     for rel in output_paths(results, config, out_path):
         p = results / rel
-        e = file_entry(p, results)
-        e["path"] = rel
+        e = file_entry(p, rel)
         if p.suffix == ".parquet":
             e["rows"] = pq.ParquetFile(p).metadata.num_rows
         entries.append(e)
@@ -413,6 +422,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--results-dir", default="results")
     parser.add_argument("--config-json", help="resolved config (file or JSON)")
     parser.add_argument("--configfiles", nargs="*", default=[])
+    parser.add_argument(
+        "--configfiles-json", help="the config files as a JSON list (what the workflow passes)"
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--basedir", default=".")
     parser.add_argument(
@@ -446,7 +458,10 @@ def main(argv: list[str]) -> int:
     if not args.config_json:
         parser.error("--config-json is required")
     config = json_arg(args.config_json)
-    manifest = build(args.results_dir, config, args.configfiles, args.basedir, args.out)
+    configfiles = list(args.configfiles)
+    if args.configfiles_json:
+        configfiles += json.loads(args.configfiles_json)
+    manifest = build(args.results_dir, config, configfiles, args.basedir, args.out)
     tmp.write_text(dumps(manifest, config), encoding="utf-8")
     tmp.replace(args.out)
     return 0
