@@ -63,6 +63,10 @@ def tokenizer_json(wildcards=None):
     return json.dumps(config["tokenizer"], sort_keys=True)
 
 
+def stop_tokens_json(wildcards=None):
+    return json.dumps(config["generation"]["stop_tokens"])
+
+
 def generation_json(wildcards=None):
     return json.dumps(config["generation"], sort_keys=True)
 

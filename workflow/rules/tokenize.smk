@@ -19,8 +19,11 @@ checkpoint tokenize_prompts:
         tokenizer_fingerprint=TOKENIZER_FINGERPRINT,
         shards=category_shard_count,
         max_prompt_tokens=config["max_prompt_tokens"],
+        # Resolved to ids here, where the tokenizer is loaded: the GPU job needs no tokenizer.
+        stop_tokens=stop_tokens_json,
     shell:
         "tokenmill tokenize --prompts {input.prompts:q} --category {wildcards.category:q}"
         " --shards {params.shards} --tokenizer-config {params.tokenizer:q}"
         " --max-prompt-tokens {params.max_prompt_tokens} --workers {threads}"
+        " --stop-tokens {params.stop_tokens:q}"
         " --out-dir {output.shards:q} --rejected {output.rejected:q} > {log:q} 2>&1"
