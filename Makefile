@@ -33,6 +33,7 @@ bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_tokenize.py
 	$(BIN)/python benchmarks/bench_client.py
 	$(BIN)/python benchmarks/bench_merge.py
+	$(BIN)/python benchmarks/bench_journal.py
 
 clean:
 	rm -rf results .snakemake

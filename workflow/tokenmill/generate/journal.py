@@ -402,7 +402,7 @@ class Index:
     def add_parquet(self, path: Path, kind: str, only: set[str] | None = None) -> None:
         """A compacted file; `only`: offer these keys and no others (the stale search)."""
         src = len(self.sources)
-        pf = pq.ParquetFile(path, memory_map=True)
+        pf = pq.ParquetFile(path)
         meta = contracts.read_metadata(path)
         s = _Source(path, kind, pf=pf)
         s.records_in = int(meta.get(META_RECORDS_IN, pf.metadata.num_rows))
@@ -625,7 +625,7 @@ class Compaction:
             lambda t: writer.write_table(t, row_group_size=contracts.ROW_GROUP_SIZE), "output_ids"
         )
         if self.j.stale.is_file():
-            old = pq.ParquetFile(self.j.stale, memory_map=True)
+            old = pq.ParquetFile(self.j.stale)
             for g in range(old.num_row_groups):
                 t = old.read_row_group(g).cast(JOURNAL).replace_schema_metadata(None)
                 have.update(pc.filter(t.column("key"), _ok_mask(t)).to_pylist())
@@ -645,7 +645,7 @@ class Compaction:
 
         for s in self.index.sources:
             if s.kind == "live" and s.unwanted:
-                pf = pq.ParquetFile(s.path, memory_map=True)
+                pf = pq.ParquetFile(s.path)
                 for g in range(pf.num_row_groups):
                     t = keep(pf.read_row_group(g).cast(JOURNAL).replace_schema_metadata(None))
                     self.stale_added += t.num_rows
@@ -819,7 +819,7 @@ def _file_lines(path: Path) -> Iterator[tuple[bytes, str | None]]:
                 if body is not None:
                     yield line, _line_prompt_id(line, body)
         return
-    pf = pq.ParquetFile(path, memory_map=True)
+    pf = pq.ParquetFile(path)
     for g in range(pf.num_row_groups):
         t = pf.read_row_group(g).cast(JOURNAL).replace_schema_metadata(None)
         for start in range(0, t.num_rows, DECODE_BATCH):
@@ -832,7 +832,7 @@ def _prompt_ids(path: Path) -> Iterator[str | None]:
         for _, pid in _file_lines(path):
             yield pid
         return
-    pf = pq.ParquetFile(path, memory_map=True)
+    pf = pq.ParquetFile(path)
     for g in range(pf.num_row_groups):
         yield from pf.read_row_group(g, columns=["prompt_id"]).column(0).to_pylist()
 

@@ -140,7 +140,8 @@ class Shard:
     """
 
     def __init__(self, path: str, fingerprint: str, seed_policy: str):
-        self.pf = pq.ParquetFile(path, memory_map=True)
+        # Not memory-mapped: mapped pages of the file would count in the job's RSS.
+        self.pf = pq.ParquetFile(path, memory_map=False)
         self.metadata = contracts.read_metadata(path)
         n = self.metadata.get(META_NUM_SHARDS)
         self.num_shards = int(n) if n else None
@@ -246,7 +247,9 @@ def write_outputs(shard: Shard, index, pre_rejected: dict, category: str, gen_w,
                 }
             )
         if take:
-            g = table.take(pa.array(take, pa.int64()))
+            # Usually every record of the chunk, in order: share its buffers (no copy).
+            in_order = take == list(range(table.num_rows))
+            g = table if in_order else table.take(pa.array(take, pa.int64()))
             g = g.set_column(
                 g.schema.get_field_index("prompt_id"), "prompt_id", pa.array(pids, pa.string())
             )
@@ -306,7 +309,7 @@ async def run(args, gen: dict, tok_cfg: dict, meta: dict, t0: float | None = Non
     api = engines.for_config(gen)  # the engine-specific part: requests, answers, identity
     # The engine's sampling keys are checked before the first request is paid for.
     engines.validate(gen)
-    _api_key(gen)
+    _api_key(gen)  # an unset key variable fails here, before any work
     shard = Shard(args.tokenized, fingerprint, gen.get("seed_policy", "none"))
 
     # Prompts that no engine could answer are refused here rather than paid for.
