@@ -73,9 +73,12 @@ def jobs_in(log: str) -> set[tuple[str, str]]:
 
 
 def digests(root: Path, pattern: str) -> dict[str, str]:
+    """sha256 of the pipeline's files; the journal (results/journal, compacted into Parquet
+    files as shards complete) is not an output."""
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(root.glob(pattern))
+        if p.relative_to(root).parts[0] != "journal"
     }
 
 
