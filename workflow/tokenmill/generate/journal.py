@@ -319,7 +319,6 @@ class _Source:
     duplicates: int = 0
     fd: int | None = None
     pf: pq.ParquetFile | None = None
-    starts: np.ndarray | None = None
     cached: tuple[int, pa.Table] | None = None
 
     def pread(self, offset: int, length: int) -> bytes:
@@ -384,16 +383,16 @@ class Index:
                 else:
                     prev = self.entries.get(key)
                     if prev is None or not prev[3]:
-                        body = _intact_body(line)
-                        if body is None:
+                        # The status sits right after the key in the client's records: only
+                        # other shapes pay for a JSON parse.
+                        ok = line[_KEY_END : _KEY_END + len(_OK_MARK)] == _OK_MARK
+                        rec = {} if ok and _intact_body(line) is not None else decode_line(line)
+                        if rec is None:
                             self.torn += 1
                             log.warning("journal: dropped a torn/corrupt line in %s", path.name)
                         else:
                             s.lines += 1
-                            ok = line[_KEY_END : _KEY_END + len(_OK_MARK)] == _OK_MARK or (
-                                json.loads(body).get("status") == "ok"
-                            )
-                            self._offer(key, src, offset, n, ok)
+                            self._offer(key, src, offset, n, ok or rec.get("status") == "ok")
                     else:
                         s.lines += 1  # a duplicate of a result we already hold
                 offset += n
@@ -407,8 +406,6 @@ class Index:
         s = _Source(path, kind, pf=pf)
         s.records_in = int(meta.get(META_RECORDS_IN, pf.metadata.num_rows))
         s.duplicates = int(meta.get(META_DUPLICATES, 0))
-        sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
-        s.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.sources.append(s)
         for g in range(pf.num_row_groups):
             t = pf.read_row_group(g, columns=["key", "status"])
@@ -483,7 +480,7 @@ class Index:
         return {self.sources[src].kind for src, *_ in self.entries.values()}
 
     def stats(self) -> dict:
-        read = [s for s in self.sources]
+        read = self.sources
         return {
             "files": len(read),
             "files_read": [s.path.name for s in read],
@@ -568,8 +565,9 @@ class Compaction:
     def __init__(self, journal: ShardJournal, index: Index, category: str):
         self.j, self.index = journal, index
         d = journal.dir
-        for old in d.glob(f".{journal.shard}.*.tmp"):  # left by a killed compaction
-            old.unlink(missing_ok=True)
+        for pattern in (f".{journal.shard}.parquet.*.tmp", f".{journal.shard}.stale.parquet.*.tmp"):
+            for old in d.glob(pattern):  # left by a killed compaction
+                old.unlink(missing_ok=True)
         stamp = time.time_ns()
         self.live_tmp = d / f".{journal.shard}.parquet.{stamp}.tmp"
         self.stale_tmp = d / f".{journal.shard}.stale.parquet.{stamp}.tmp"
@@ -678,7 +676,7 @@ class Compaction:
             os.replace(self.live_tmp, self.j.live)
             _fsync(self.j.dir)
             for s in self.index.sources:
-                if s.kind != "jsonl":
+                if s.kind != "jsonl" or not s.path.exists():
                     continue
                 if _size(s.path) == s.size:
                     s.close()
