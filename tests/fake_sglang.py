@@ -50,9 +50,12 @@ REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
            500: "Internal Server Error", 503: "Service Unavailable"}  # fmt: skip
 
 
-def fake_output(input_ids: list[int], max_new: int, stop_ids: list[int]) -> tuple[list[int], dict]:
+def fake_output(
+    input_ids: list[int], max_new: int, stop_ids: list[int], length: int | None = None
+) -> tuple[list[int], dict]:
+    """`length`: that many tokens before the stop token (1-5 by default)."""
     seed = sum(input_ids) * 31 + len(input_ids)
-    n = len(input_ids) % 5 + 1
+    n = length if length is not None else len(input_ids) % 5 + 1
     body = [10 + (seed + 7 * i) % 1000 for i in range(n)]
     if stop_ids and n < max_new:
         return body + [stop_ids[0]], {"type": "stop", "matched": stop_ids[0]}
@@ -204,7 +207,7 @@ class Fake:
             await asyncio.sleep(a.latency)
         while (limit := hold_limit(a.hold_file)) is not None and n > limit:
             await asyncio.sleep(0.02)  # held: a kill test's interruption lands mid-shard
-        out, finish = fake_output(ids, max_new, sp.get("stop_token_ids") or [])
+        out, finish = fake_output(ids, max_new, sp.get("stop_token_ids") or [], a.output_len)
         if n <= a.abort_first or ids[0] in a.abort_first_token:
             out, finish = out[:1], {"type": "abort", "message": "Aborted", "status_code": None,
                                     "err_type": None}  # fmt: skip
@@ -403,6 +406,7 @@ def parse_args(argv):
                        help=f"prompts whose first token is this: always {what}")  # fmt: skip
     p.add_argument("--api", choices=["sglang", "vllm"], default="sglang")
     p.add_argument("--eos-id", type=int, default=None, help="vllm: EOS when no stop ids are sent")
+    p.add_argument("--output-len", type=int, default=None, help="tokens before the stop token")
     p.add_argument("--model", dest="model_path", help="vLLM's spelling of --model-path")
     args, _ = p.parse_known_args(argv)  # tolerate real SGLang flags in launch commands
     return args

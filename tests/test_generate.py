@@ -6,9 +6,11 @@ from its source and 0.5.16 as measured (docs/sglang-api.md).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,15 +23,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tokenmill import contracts
+from tokenmill import contracts, keys
 from tokenmill.generate import journal
 from tokenmill.generate.launch import free_port
+from tokenmill.tokenization import shards
+from tokenmill.tokenization import stage as tokenize_stage
 
 VERSIONS = ["0.5.23", "0.5.16"]
 both_versions = pytest.mark.parametrize("version", VERSIONS)
 
 
-def write_tokenized(path, prompts: dict[str, list[int]]):
+def write_tokenized(path, prompts: dict[str, list[int]], metadata: dict | None = None):
     rows = [
         {"prompt_id": k, "prompt_ids": v, "num_prompt_tokens": len(v)} for k, v in prompts.items()
     ]
@@ -38,6 +42,7 @@ def write_tokenized(path, prompts: dict[str, list[int]]):
         path,
         contracts.TOKENIZED,
         "tokenize",
+        metadata,
     )
 
 
@@ -47,12 +52,26 @@ def prompts(n: int) -> dict[str, list[int]]:
 
 class Run:
     def __init__(
-        self, tmp: Path, *fake_flags, n=30, mode="managed", urls=(), version=None, **gen_over
+        self,
+        tmp: Path,
+        *fake_flags,
+        n=30,
+        mode="managed",
+        urls=(),
+        version=None,
+        shard="003",
+        journal_dir=None,
+        counter=None,
+        **gen_over,
     ):
         self.tmp = tmp
+        self.shard = shard
+        self.journal_dir = Path(journal_dir or tmp / "journal")
         if version:
             fake_flags = (*fake_flags, "--sglang-version", version)
-        self.counter = tmp / "requests.jsonl"
+        # Part of the launch command, so of the generation fingerprint: runs that should share
+        # samples share it.
+        self.counter = Path(counter or tmp / "requests.jsonl")
         self.tokenized = tmp / "t.parquet"
         write_tokenized(self.tokenized, prompts(n))
         cmd = ["{python}", fake_sglang.FAKE, "--model-path", "{model}", "--host", "{host}"]
@@ -83,11 +102,11 @@ class Run:
             sys.executable, "-m", "tokenmill", "generate",
             "--generation-config", str(self.tmp / "gen.json"),
             "--tokenizer-config", str(self.tmp / "tok.json"),
-            "--category", "chat", "--shard", "003",
+            "--category", "chat", "--shard", self.shard,
             "--tokenized", str(self.tokenized),
             "--out", str(self.out["g.parquet"]), "--rejected", str(self.out["r.parquet"]),
             "--meta", str(self.out["m.json"]),
-            "--journal-dir", str(self.tmp / "journal"), "--log-dir", str(self.tmp / "logs"),
+            "--journal-dir", str(self.journal_dir), "--log-dir", str(self.tmp / "logs"),
         ]  # fmt: skip
 
     def start(self, env=None):
@@ -105,8 +124,8 @@ class Run:
         return fake_sglang.count_requests(self.counter)
 
     def journaled(self) -> int:
-        d = self.tmp / "journal" / "chat"
-        return sum(len(p.read_bytes().splitlines()) for p in d.glob("*.jsonl")) if d.exists() else 0
+        """Records journaled for this shard: attempt-file lines plus compacted records."""
+        return journal.journaled_lines(self.journal_dir, "chat", self.shard)
 
     def result(self):
         return pq.read_table(self.out["g.parquet"]), pq.read_table(self.out["r.parquet"])
@@ -267,14 +286,37 @@ def test_retries_exhausted_names_prompt(tmp_path):
     assert r.requests() == 9 and r.journaled() == 0
 
 
+def _held(tmp: Path) -> tuple[str, str]:
+    """Fake server flags: requests after the Nth written to tmp/hold are held (no file: none)."""
+    return "--hold-file", str(tmp / "hold")
+
+
+def _killed_midway(r: Run, answered: int) -> Path:
+    """Run (made with _held) until `answered` samples are journaled, SIGKILL the job: its
+    attempt file stays. The hold is lifted afterwards."""
+    hold = r.tmp / "hold"
+    hold.write_text(str(answered))
+    p = r.start()
+    _wait_for(lambda: r.journaled() >= answered)
+    p.kill()
+    p.wait(timeout=10)
+    hold.unlink()
+    (jf,) = list((r.tmp / "journal" / "chat").glob("*.jsonl"))
+    return jf
+
+
 def test_torn_journal_line_is_dropped_and_regenerated(tmp_path):
-    r = Run(tmp_path, n=20)
-    r.run()
-    (jf,) = list((tmp_path / "journal" / "chat").glob("*.jsonl"))
+    # Changed with compaction: a completed job leaves no JSONL file, so the torn line is made
+    # where it happens, in the attempt file of a killed job.
+    r = Run(tmp_path, *_held(tmp_path), n=20)
+    jf = _killed_midway(r, 6)
     data = jf.read_bytes()
+    assert data.count(b"\n") == 6
     jf.write_bytes(data[:-10])  # as if SIGKILL hit mid-write
+    before = r.requests()
     r.run()
-    assert r.requests() == 21
+    assert r.requests() - before == 20 - 6 + 1
+    assert r.meta()["journal"]["torn_lines"] == 1
     _complete(r, 20)
 
 
@@ -456,13 +498,13 @@ def test_external_two_servers_api_key_never_leaks(tmp_path, version):
 
 
 def test_journal_records_carry_key_first(tmp_path):
-    r = Run(tmp_path, n=3)
-    r.run()
-    (jf,) = list((tmp_path / "journal" / "chat").glob("*.jsonl"))
+    r = Run(tmp_path, *_held(tmp_path), n=3)
+    jf = _killed_midway(r, 2)  # an attempt file (a completed job compacts it away)
     assert jf.name.startswith("003.")
-    found, _ = journal.load(
-        tmp_path / "journal", "chat", set(r.result()[0]["sample_key"].to_pylist())
-    )
+    assert all(line.startswith(b'{"key":"') for line in jf.read_bytes().splitlines())
+    r.run()
+    wanted = set(r.result()[0]["sample_key"].to_pylist())
+    found, _ = journal.load(tmp_path / "journal", "chat", wanted, shard="003")
     assert len(found) == 3
 
 
@@ -543,8 +585,6 @@ def test_vllm_unsupported_sampling_key_fails_before_any_request(tmp_path):
 def test_duplicate_rid_rejections_of_older_versions_are_asked_again(tmp_path):
     # Journals written before this fix hold 400 "Duplicate request ID" as final rejections;
     # only a 400 that blames the prompt stays final.
-    from tokenmill import keys
-
     r = Run(tmp_path, n=4)
     fp = keys.generation_fingerprint(r.gen)
     p = prompts(4)
@@ -558,3 +598,328 @@ def test_duplicate_rid_rejections_of_older_versions_are_asked_again(tmp_path):
     assert sorted(x[0] for x in fake_sglang.requested_ids(r.counter)) == [100, 101, 103]
     g, rej = _complete(r, 4)
     assert rej.column("prompt_id").to_pylist() == ["p002"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The journal follows the shard: locality, resharding, compaction, streaming output
+
+
+def _journal_bytes(jdir: Path) -> int:
+    return sum(p.stat().st_size for p in jdir.rglob("*") if p.suffix in (".jsonl", ".parquet"))
+
+
+def test_job_reads_only_its_own_shards_journal(tmp_path):
+    jdir = tmp_path / "journal"
+    for other in ("000", "001"):  # two other shards of the category, journaled and compacted
+        o = Run(tmp_path / other, n=40, shard=other, journal_dir=jdir)
+        write_tokenized(o.tokenized, {f"{other}-{i}": [9, i, int(other)] for i in range(40)})
+        o.run()
+    # an unreadable leftover of another shard: any job that opened it would count torn lines
+    (jdir / "chat" / "002.host.1.2.jsonl").write_bytes(b"garbage\n" * 100)
+    r = Run(tmp_path / "mine", n=30, journal_dir=jdir)
+    r.run()
+    m = r.meta()
+    assert m["journal"]["files_read"] == [] and m["journal"]["torn_lines"] == 0
+    r.run()
+    m = r.meta()
+    assert m["engine_started"] is False and m["counts"]["from_journal"] == 30
+    assert m["journal"]["files_read"] == ["003.parquet"]  # compacted: one file, this shard's
+    assert m["journal"]["bytes_read"] == (jdir / "chat" / "003.parquet").stat().st_size
+    assert m["journal"]["torn_lines"] == 0 and m["journal"]["compaction"] is None
+
+
+def _hex_prompts(n: int) -> dict[str, list[int]]:
+    """prompt_ids like prepare's (hex), so that shards.shard_of can place them."""
+    return {hashlib.sha256(str(i).encode()).hexdigest()[:32]: [300 + i, i, 5] for i in range(n)}
+
+
+def _run_sharded(tmp: Path, jdir: Path, all_prompts: dict, n_shards: int) -> list[Run]:
+    runs = []
+    for s in range(n_shards):
+        name = shards.shard_name(s)
+        mine = {p: v for p, v in all_prompts.items() if shards.shard_of(p, n_shards) == s}
+        r = Run(tmp / f"{n_shards}-{name}", shard=name, journal_dir=jdir,
+                counter=tmp / "requests.jsonl")  # fmt: skip
+        write_tokenized(r.tokenized, mine, {tokenize_stage.META_NUM_SHARDS: str(n_shards)})
+        r.run()
+        runs.append(r)
+    return runs
+
+
+def test_changed_shard_count_moves_records_once(tmp_path):
+    jdir = tmp_path / "journal"
+    everything = _hex_prompts(60)
+    before = _run_sharded(tmp_path, jdir, everything, 2)
+    assert before[0].requests() == 60
+    assert json.loads((jdir / "chat" / journal.MANIFEST).read_text())["num_shards"] == 2
+
+    after = _run_sharded(tmp_path, jdir, everything, 3)
+    metas = [r.meta() for r in after]
+    # nothing generated again: every prompt's record was found in its new shard's files
+    assert after[0].requests() == 60
+    assert all(m["engine_started"] is False for m in metas)
+    assert [m["counts"]["from_journal"] for m in metas] == [
+        sum(shards.shard_of(p, 3) == s for p in everything) for s in range(3)
+    ]
+    # the first job moved the records, once; the others found the new layout
+    moved = metas[0]["journal"]["migration"]
+    assert moved["from_shards"] == 2 and moved["to_shards"] == 3
+    assert moved["records_moved"] >= 30
+    assert [m["journal"]["migration"] for m in metas[1:]] == [None, None]
+    manifest = json.loads((jdir / "chat" / journal.MANIFEST).read_text())
+    assert manifest["num_shards"] == 3 and len(manifest["migrations"]) == 1
+    for s, m in enumerate(metas):
+        assert all(f.startswith(f"{s:03d}.") for f in m["journal"]["files_read"]), m["journal"]
+    got = [pid for r in after for pid in r.result()[0].column("prompt_id").to_pylist()]
+    assert sorted(got) == sorted(everything)
+    # every shard's journal is compacted again: one Parquet file per shard, no JSONL
+    names = sorted(p.name for p in (jdir / "chat").iterdir() if not p.name.startswith("."))
+    assert names == ["000.parquet", "001.parquet", "002.parquet", journal.MANIFEST]
+
+
+KILL_AT = """
+import os, signal, sys
+jdir, n = sys.argv[1], int(sys.argv[2])
+seen = [0]
+
+def killing(fn):
+    def inner(*a, **k):
+        if str(a[0]).startswith(jdir):
+            seen[0] += 1
+            if seen[0] == n:  # the nth rename or delete in the journal: die before it
+                os.kill(os.getpid(), signal.SIGKILL)
+        return fn(*a, **k)
+    return inner
+
+os.replace, os.rename, os.unlink = killing(os.replace), killing(os.rename), killing(os.unlink)
+from tokenmill.generate import stage
+sys.exit(stage.main(sys.argv[3:]))
+"""
+
+
+def test_compaction_survives_a_kill_at_every_step(tmp_path):
+    r = Run(tmp_path, *_held(tmp_path), n=24)
+    _killed_midway(r, 10)  # attempt file 1: 10 records
+    jdir = r.journal_dir / "chat"
+    with journal.JournalWriter(r.journal_dir, "chat", "003") as w:  # a sample nobody wants
+        w.append({"key": "f" * 32, "status": "ok", "prompt_id": "old", "output_ids": [7, 2]})
+
+    def killed_at(n: int) -> int:
+        argv = [sys.executable, "-c", KILL_AT, str(jdir), str(n), *r.argv()[4:]]
+        return subprocess.run(argv, capture_output=True, timeout=90).returncode
+
+    assert killed_at(1) == -signal.SIGKILL  # generated the rest (file 2), died compacting
+    assert len(list(jdir.glob("003.*.jsonl"))) == 3
+    reference = r.out["g.parquet"].read_bytes()
+    want = set(pq.read_table(r.out["g.parquet"]).column("sample_key").to_pylist())
+    assert len(want) == 24
+    requests = r.requests()
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(jdir, snapshot)
+
+    steps = 0
+    for n in range(1, 20):
+        shutil.rmtree(jdir)
+        shutil.copytree(snapshot, jdir)
+        rc = killed_at(n)
+        if rc == 0:
+            break  # the job did fewer than n renames/deletes in the journal: all were tried
+        assert rc == -signal.SIGKILL
+        steps += 1
+        found, _ = journal.load(r.journal_dir, "chat", want | {"f" * 32}, shard="003")
+        assert set(found) == want | {"f" * 32}, f"records lost by a kill at step {n}"
+        r.run()  # the next job: no request, the same output, a compacted journal
+        assert r.requests() == requests and r.meta()["engine_started"] is False
+        assert r.out["g.parquet"].read_bytes() == reference
+        assert not list(jdir.glob("*.jsonl")), n
+        found, _ = journal.load(r.journal_dir, "chat", want | {"f" * 32}, shard="003")
+        assert set(found) == want | {"f" * 32}
+        assert found["f" * 32]["output_ids"] == [7, 2]
+    else:
+        raise AssertionError("the job never completed")
+    # two temporary files of the killed compaction, the stale file, the compacted file, three
+    # attempt files: each rename or delete was a kill point
+    assert steps == 7, steps
+
+
+def _old_build_tables(shard_rows: list[tuple[str, list[int]]], records: dict, fp: str):
+    """The generate stage's output before streaming (kept here as the reference): every record
+    in memory, one table, one write."""
+    gen_rows = {name: [] for name in contracts.GENERATED.names}
+    rej_rows = []
+    for pid, ids in sorted(shard_rows):
+        key = keys.sample_key(fp, ids)
+        if not ids:
+            reason, detail = "empty_prompt", "prompt_ids is empty"
+        else:
+            rec = records[key]
+            if rec.get("status") == "ok":
+                for name in contracts.GENERATED.names:
+                    gen_rows[name].append(rec.get(name))
+                gen_rows["prompt_id"][-1] = pid
+                gen_rows["sample_key"][-1] = key
+                continue
+            reason, detail = "engine_rejected", rec.get("message")
+        rej_rows.append(
+            {
+                "stage": "generate",
+                "category": "chat",
+                "reason": reason,
+                "detail": detail,
+                "prompt_id": pid,
+                "record": contracts.canonical_json(
+                    {"sample_key": key, "num_prompt_tokens": len(ids)}
+                ),
+            }
+        )
+    return pa.table(gen_rows, schema=contracts.GENERATED), contracts.rejected_table(rej_rows)
+
+
+def test_streamed_output_equals_the_old_output_byte_for_byte(tmp_path):
+    n = 20000  # three row groups of the generated shard
+    r = Run(tmp_path, "--exit-at-start", "3", n=n)  # an engine start would fail the job
+    rows = [(f"p{i:06d}", [5 + i % 7, i, i // 3]) for i in range(n)]
+    rows[5] = ("p000005", [])  # empty prompt
+    rows[7] = ("p000007", list(rows[6][1]))  # a duplicate prompt: one sample, two rows
+    write_tokenized(r.tokenized, dict(reversed(rows)))  # not sorted: the output is
+    fp = keys.generation_fingerprint(r.gen)
+    records = {}
+    with journal.JournalWriter(r.journal_dir, "chat", "003") as w:
+        for i, (pid, ids) in enumerate(rows):
+            key = keys.sample_key(fp, ids)
+            if not ids or key in records:
+                continue
+            if i % 97 == 3:
+                # a refusal that blames the prompt: final (others are asked again)
+                msg = f"The input ({i} tokens) is longer than the model's context length."
+                rec = {"key": key, "status": "rejected", "prompt_id": pid, "message": msg}
+            else:
+                rec = {
+                    "key": key, "status": "ok", "prompt_id": pid,
+                    "output_ids": list(range(i % 40)) + [2], "finish_type": "stop",
+                    "finish_matched_id": 2 if i % 5 else None, "finish_message": None,
+                    "prompt_tokens": len(ids), "completion_tokens": i % 40 + 1,
+                    "cached_tokens": i % 3, "latency_s": i / 7, "weight_version": "w1",
+                    "server": "http://127.0.0.1:1", "attempts": 1 + i % 2,
+                }  # fmt: skip
+            records[key] = rec
+            w.append(rec)
+    old_gen, old_rej = _old_build_tables(rows, records, fp)
+    file_meta = {
+        contracts.META_GENERATION_FINGERPRINT: fp,
+        contracts.META_CATEGORY: "chat",
+        contracts.META_SHARD: "003",
+        "tokenmill.records_in": str(n),
+        "tokenmill.kept": str(old_gen.num_rows),
+        "tokenmill.rejected": str(old_rej.num_rows),
+    }
+    contracts.write_table(old_gen, tmp_path / "old-g.parquet", contracts.GENERATED, "generate",
+                          file_meta)  # fmt: skip
+    contracts.write_table(old_rej, tmp_path / "old-r.parquet", contracts.REJECTED, "generate",
+                          file_meta)  # fmt: skip
+    assert pq.ParquetFile(tmp_path / "old-g.parquet").num_row_groups == 3
+    for source in ("JSONL", "compacted Parquet"):
+        r.run()
+        m = r.meta()
+        assert m["engine_started"] is False, source
+        assert r.out["g.parquet"].read_bytes() == (tmp_path / "old-g.parquet").read_bytes(), source
+        assert r.out["r.parquet"].read_bytes() == (tmp_path / "old-r.parquet").read_bytes(), source
+    assert m["journal"]["files_read"] == ["003.parquet"]
+    # every record survived compaction with every field (attempts, finish_message included)
+    found, _ = journal.load(r.journal_dir, "chat", set(records), shard="003")
+    drop_none = lambda rec: {k: v for k, v in rec.items() if v is not None}  # noqa: E731
+    assert {k: drop_none(v) for k, v in found.items()} == {
+        k: drop_none(v) for k, v in records.items()
+    }
+
+
+def test_journal_stays_within_a_small_factor_of_the_generated_data(tmp_path):
+    r = Run(tmp_path, *_held(tmp_path), n=200)
+    _killed_midway(r, 50)
+    r.run()
+    m = r.meta()
+    jdir = r.journal_dir / "chat"
+    generated = r.out["g.parquet"].stat().st_size
+    factor = _journal_bytes(jdir) / generated
+    assert [p.name for p in jdir.glob("*.jsonl")] == []  # two attempt files, compacted
+    assert m["journal"]["compaction"]["files_deleted"] == 2
+    assert m["journal"]["compaction"]["records"] == 200
+    assert factor <= 1.5, factor  # 1.04 here (the JSONL files were 2-3 times the output)
+    assert journal.journaled_lines(r.journal_dir, "chat", "003") == 200  # none twice
+
+
+def test_timing_separates_startup_from_the_generation_window(tmp_path):
+    r = Run(tmp_path, "--startup-delay", "1.5", "--latency", "0.02", n=40, concurrency=4)
+    out = r.run()
+    t = r.meta()["timing"]
+    assert t["engine_start_s"] >= 1.5 and t["startup_s"] >= t["engine_start_s"]
+    assert t["generation_s"] < 1.5  # 40 requests of 20 ms at 4 in flight: about 0.2 s
+    assert t["startup_s"] + t["generation_s"] + t["write_s"] <= t["total_s"] + 0.01
+    assert r.meta()["wall_time_s"] == t["total_s"]
+    rates = r.meta()["rates"]
+    assert rates["requests_per_s"] == pytest.approx(40 / t["generation_s"], rel=0.01)
+    # the progress line's rate counts from the first request, not from the job's start
+    rps = float(re.findall(r"progress 40/40 req/s=([\d.]+)", out)[-1])
+    assert rps > 40 / 1.5
+    assert rps == pytest.approx(rates["requests_per_s"], rel=0.5)
+    # a rerun sends nothing: startup only, no generation window
+    r.run()
+    t = r.meta()["timing"]
+    assert t["generation_s"] == 0.0 and r.meta()["rates"]["requests_per_s"] is None
+
+
+BLOCKED = "raise ImportError('the generate job must not import this')\n"
+
+
+def test_generate_needs_neither_transformers_nor_torch(tmp_path, repo_root):
+    if not (repo_root / "sample" / "model" / "tokenizer.json").is_file():
+        pytest.skip("sample/model (the tiny demo tokenizer) is not in this checkout")
+    from tokenmill.prepare.formats import prompt_id
+    from tokenmill.prepare.stage import prompt_row
+
+    convs = [[{"role": "user", "content": f"question {i}?"}] for i in range(5)]
+    rows = sorted((prompt_row(prompt_id(c, None), f"t:{i}", c, None)
+                   for i, c in enumerate(convs)), key=lambda x: x["prompt_id"])  # fmt: skip
+    prompts_file = tmp_path / "prompts.parquet"
+    contracts.write_table(
+        pa.Table.from_pylist(rows, schema=contracts.PROMPTS), prompts_file, contracts.PROMPTS,
+        "prepare",
+    )  # fmt: skip
+
+    def tokenize(stop_tokens) -> subprocess.CompletedProcess:
+        argv = [
+            sys.executable, "-m", "tokenmill", "tokenize", "--prompts", str(prompts_file),
+            "--category", "chat", "--shards", "1", "--max-prompt-tokens", "512",
+            "--tokenizer-config", json.dumps({"path": "sample/model"}),
+            "--basedir", str(repo_root), "--out-dir", str(tmp_path / "tok"),
+            "--rejected", str(tmp_path / "tok-rejected.parquet"),
+            "--stop-tokens", json.dumps(stop_tokens),
+        ]  # fmt: skip
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+    bad = tokenize(["<|im_end|>", "no such token"])
+    assert bad.returncode == 1 and "generation.stop_tokens" in bad.stderr
+    p = tokenize(["<|im_end|>"])
+    assert p.returncode == 0, p.stderr
+    shard = tmp_path / "tok" / "000.parquet"
+    meta = contracts.read_metadata(shard)
+    (stop_id,) = json.loads(meta[tokenize_stage.META_STOP_TOKEN_IDS])
+    assert json.loads(meta[tokenize_stage.META_STOP_TOKENS]) == ["<|im_end|>"]
+
+    blocker = tmp_path / "blocked"
+    for name in ("transformers", "torch"):
+        (blocker / name).mkdir(parents=True)
+        (blocker / name / "__init__.py").write_text(BLOCKED)
+    env = dict(os.environ, PYTHONPATH=f"{blocker}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    probe = subprocess.run([sys.executable, "-c", "import transformers"], env=env,
+                           capture_output=True, text=True)  # fmt: skip
+    assert probe.returncode == 1 and "must not import" in probe.stderr  # the blocker works
+
+    r = Run(tmp_path, n=1, shard="000", stop_tokens=["<|im_end|>"])
+    r.tokenized = shard
+    r.run(env=env)
+    sent = {json.dumps(json.loads(x)["sp"]["stop_token_ids"]) for x in r.counter.open()}
+    assert sent == {json.dumps([stop_id])}
+    m = r.meta()
+    assert m["stop_token_ids_from"] == "tokenized shard metadata"
+    assert m["counts"]["kept"] == 5

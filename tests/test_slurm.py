@@ -183,8 +183,11 @@ def sacct(jobs: list[str]) -> dict[str, dict]:
 
 
 def journal_records(workdir: Path, category: str, shard: str) -> int:
-    files = (workdir / "journal" / category).glob(f"{shard}.*.jsonl")
-    return sum(p.read_bytes().count(b"\n") for p in files)
+    """Records journaled for a shard: its attempt files' lines, plus the lines compacted into
+    its Parquet file once the shard completed (a sample journaled twice counts twice)."""
+    from tokenmill.generate import journal
+
+    return journal.journaled_lines(workdir / "journal", category, shard)
 
 
 def squeue_state(job: str) -> str:

@@ -90,6 +90,10 @@ def merge_dataset_json(wildcards=None):
     return json.dumps(merge_dataset_config(config["dataset"]), sort_keys=True)
 
 
+def stop_tokens_json(wildcards=None):
+    return json.dumps(config["generation"]["stop_tokens"])
+
+
 def tokenized_shard(wildcards):
     """A tokenized shard; waits for the category's tokenize checkpoint."""
     checkpoints.tokenize_prompts.get(category=wildcards.category)

@@ -22,9 +22,12 @@ checkpoint tokenize_prompts:
         # Prompt ids are range-checked against this model's vocab_size (its config.json).
         model=config["generation"].get("model", ""),
         model_revision=config["generation"].get("revision") or "",
+        # Resolved to ids here, where the tokenizer is loaded: the GPU job needs no tokenizer.
+        stop_tokens=stop_tokens_json,
     shell:
         "tokenmill tokenize --prompts {input.prompts:q} --category {wildcards.category:q}"
         " --shards {params.shards} --tokenizer-config {params.tokenizer:q}"
         " --model={params.model:q} --model-revision={params.model_revision:q}"
         " --max-prompt-tokens {params.max_prompt_tokens} --workers {threads}"
+        " --stop-tokens {params.stop_tokens:q}"
         " --out-dir {output.shards:q} --rejected {output.rejected:q} > {log:q} 2>&1"

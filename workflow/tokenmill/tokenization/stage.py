@@ -3,6 +3,7 @@
     tokenmill tokenize --prompts results/prompts/C.parquet --category C --shards N \\
         --tokenizer-config JSON_OR_FILE --max-prompt-tokens M --out-dir results/tokenized/C \\
         --rejected results/rejected/tokenize/C.parquet [--basedir .] [--workers K] [--processes P]
+        [--stop-tokens '["<|im_end|>"]']
 
     prompt_ids = apply_chat_template(messages, tools=tools, add_generation_prompt=True,
                                      tokenize=True, **chat_template_kwargs)
@@ -25,6 +26,11 @@ shard leaves every other shard byte-identical. Row groups are spilled to a tempo
 file per shard and copied into the final Parquet file at the end, because the shard's counts
 (records_in / kept / rejected) go in its metadata, which is written when the file is opened.
 All N shard files are always written, empty ones too.
+
+--stop-tokens (generation.stop_tokens) are resolved to ids with the loaded tokenizer and written
+into every shard's metadata (tokenmill.stop_tokens / tokenmill.stop_token_ids): the generate job
+reads them there instead of loading the tokenizer. A string that is not one token of this
+tokenizer fails the stage, naming generation.stop_tokens.
 
 Rejections (results/rejected/tokenize/C.parquet, stage "tokenize", prompt_id order):
 invalid_record (messages/tools not JSON, or not a list of messages), template_error (the chat
@@ -75,6 +81,10 @@ META_REJECTED = "tokenmill.rejected"
 META_NUM_SHARDS = "tokenmill.num_shards"
 META_MAX_PROMPT_TOKENS = "tokenmill.max_prompt_tokens"
 META_PROMPT_TOKENS = "tokenmill.prompt_tokens"
+# generation.stop_tokens as configured (JSON) and resolved to ids with this tokenizer (JSON), so
+# that the generate job needs no tokenizer (and imports neither transformers nor torch).
+META_STOP_TOKENS = "tokenmill.stop_tokens"
+META_STOP_TOKEN_IDS = "tokenmill.stop_token_ids"
 
 INVALID_RECORD = "invalid_record"
 TEMPLATE_ERROR = "template_error"
@@ -406,10 +416,16 @@ def tokenize_category(
     chunk_rows: int = CHUNK_ROWS,
     tokenizer=None,
     model_vocab: tuple[int | None, str] = (None, ""),
+    stop_tokens: list | None = None,
 ) -> Summary:
     """Run the stage end to end; returns the counts. `tokenizer`: an already loaded one.
-    `model_vocab`: (vocab_size, where it was read) of the model, checked against every id."""
-    from tokenmill.tokenization.tokenizer import load_tokenizer, tokenizer_fingerprint
+    `model_vocab`: (vocab_size, where it was read) of the model, checked against every id.
+    `stop_tokens`: generation.stop_tokens, resolved to ids into every shard's metadata."""
+    from tokenmill.tokenization.tokenizer import (
+        load_tokenizer,
+        resolve_token_ids,
+        tokenizer_fingerprint,
+    )
 
     if num_shards < 1:
         raise TokenizeError(f"--shards must be >= 1, got {num_shards}")
@@ -440,6 +456,13 @@ def tokenize_category(
         META_NUM_SHARDS: str(num_shards),
         META_MAX_PROMPT_TOKENS: str(max_prompt_tokens),
     }
+    if stop_tokens is not None:
+        try:
+            stop_ids = resolve_token_ids(tokenizer, stop_tokens)
+        except ValueError as exc:
+            raise TokenizeError(f"generation.stop_tokens: {exc}") from None
+        common_meta[META_STOP_TOKENS] = json.dumps(stop_tokens, ensure_ascii=False)
+        common_meta[META_STOP_TOKEN_IDS] = json.dumps(stop_ids)
     try:
         spills = [ShardSpill(spill_dir, i) for i in range(num_shards)]
         rejected_writer = contracts.ParquetWriter(
@@ -612,6 +635,18 @@ def _json_arg(value: str) -> dict:
         raise TokenizeError(str(exc)) from None
 
 
+def _stop_tokens_arg(value: str | None) -> list | None:
+    if value is None:
+        return None
+    try:
+        tokens = json.loads(value)
+    except ValueError as exc:
+        raise TokenizeError(f"--stop-tokens is not JSON: {exc}") from None
+    if not isinstance(tokens, list) or not all(isinstance(t, (str, int)) for t in tokens):
+        raise TokenizeError("--stop-tokens must be a JSON list of token strings or ids")
+    return tokens
+
+
 def default_processes(tokenizer, cores: int) -> int:
     """A fast tokenizer already encodes on every core in one process; a slow one needs more."""
     return 1 if getattr(tokenizer, "is_fast", False) else max(1, cores)
@@ -650,6 +685,11 @@ def main(argv: list[str]) -> int:
         "--model", default="", help="generation.model: its config.json vocab_size bounds the ids"
     )
     parser.add_argument("--model-revision", default="", help="generation.revision")
+    parser.add_argument(
+        "--stop-tokens",
+        default=None,
+        help="generation.stop_tokens as a JSON list: resolved to ids into the shards' metadata",
+    )
     parser.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
@@ -659,6 +699,7 @@ def main(argv: list[str]) -> int:
         from tokenmill.tokenization.tokenizer import load_tokenizer
 
         tok_cfg = _json_arg(args.tokenizer_config)
+        stop_tokens = _stop_tokens_arg(args.stop_tokens)
         tokenizer = load_tokenizer(tok_cfg, args.basedir)
         model_vocab: tuple[int | None, str] = (None, "")
         if args.model:
@@ -681,6 +722,7 @@ def main(argv: list[str]) -> int:
             chunk_rows=args.chunk_rows,
             tokenizer=tokenizer,
             model_vocab=model_vocab,
+            stop_tokens=stop_tokens,
         )
     except (TokenizeError, OSError, ValueError) as exc:
         print(f"tokenmill tokenize: error: {exc}", file=sys.stderr)
