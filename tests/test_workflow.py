@@ -157,7 +157,8 @@ def test_full_pipeline_outputs(finished_run):
     for name in ("stats/summary.json", "dataset/README.md", "provenance.json"):
         assert (results / name).exists(), name
     # The journal lives outside results/: `make clean` (rm -rf results .snakemake) keeps it.
-    assert any((finished_run / "journal").rglob("*.jsonl"))
+    # (a completed shard's journal is compacted into {shard}.parquet)
+    assert any((finished_run / "journal").rglob("*.parquet"))
     assert not (results / "journal").exists()
 
 
@@ -451,7 +452,7 @@ def test_absolute_paths_everywhere_provenance_and_verify(absolute_run):
     tok_files = {e["path"] for e in manifest["tokenizer"]["files"]}
     assert str(root / "models/tiny/tokenizer.json") in tok_files, tok_files
     assert manifest["model"]["id"] == str(root / "models/tiny")
-    assert any(Path(config["journal_dir"]).rglob("*.jsonl"))
+    assert any(Path(config["journal_dir"]).rglob("*.parquet"))
     ok = tokenmill(
         absolute_run["workdir"], "verify", str(results / "provenance.json"), str(results)
     )
