@@ -112,9 +112,13 @@ def test_counts_of_real_parquet_shard_and_file_round_trip(tmp_path):
     np.testing.assert_array_equal(counts, python_count(rows, vocab))
 
     out = dv.counts_path_for(shard)
-    assert out.name == "00000.token_counts.parquet"
+    assert out == tmp_path / "token_counts" / "chat" / "00000.parquet"
     dv.write_counts(out, counts, n)
     np.testing.assert_array_equal(dv.read_counts(out), counts)
+    with pytest.raises(ValueError, match="not a tokenmill token-counts file"):
+        dv.read_counts(shard)  # a dataset shard given as counts
+    with pytest.raises(ValueError, match="give --out"):
+        dv.counts_path_for(tmp_path / "elsewhere.parquet")
     t = pq.read_table(out)
     assert t.schema.field("token_id").type == pa.int32()
     assert t.schema.field("count").type == pa.int64()
@@ -144,7 +148,7 @@ def test_sum_counts_and_weights(tmp_path):
     c = np.array([0, 0, 0, 5], np.int64)
     paths = []
     for cat, name, arr in [("x", "0", a), ("x", "1", b), ("y", "0", c)]:
-        p = tmp_path / cat / f"{name}{dv.COUNTS_SUFFIX}"
+        p = tmp_path / cat / f"{name}.parquet"
         dv.write_counts(p, arr)
         paths.append(p)
     total = dv.sum_counts(paths)
@@ -153,7 +157,7 @@ def test_sum_counts_and_weights(tmp_path):
     assert w.dtype == np.float64 and w.tolist() == [4.0, 6.0, 4.0, 2.5]
     with pytest.raises(ValueError, match="no weight"):
         dv.sum_counts(paths, {"x": 1.0})
-    odd = tmp_path / "z" / f"0{dv.COUNTS_SUFFIX}"
+    odd = tmp_path / "z" / "0.parquet"
     dv.write_counts(odd, np.zeros(9, np.int64))
     with pytest.raises(ValueError, match="vocabulary size"):
         dv.sum_counts([paths[0], odd])
@@ -235,7 +239,7 @@ def make_counts_tree(root, seed=3, vocab=400):
     rng = np.random.default_rng(seed)
     for cat in ("chat", "code"):
         for shard in ("00000", "00001"):
-            p = root / cat / f"{shard}{dv.COUNTS_SUFFIX}"
+            p = root / cat / f"{shard}.parquet"
             dv.write_counts(p, python_count(random_rows(rng, 50, vocab), vocab))
     return vocab
 
@@ -278,10 +282,10 @@ def test_cli_files_byte_identical_across_runs(tmp_path):
         assert hashlib.sha256(outs[0][name]).hexdigest() == sha
     assert summary["draft_size"] == 32 and summary["target_vocab_size"] == vocab + 16
     assert [i["path"] for i in summary["inputs"]] == [
-        "chat/00000.token_counts.parquet",
-        "chat/00001.token_counts.parquet",
-        "code/00000.token_counts.parquet",
-        "code/00001.token_counts.parquet",
+        "chat/00000.parquet",
+        "chat/00001.parquet",
+        "code/00000.parquet",
+        "code/00001.parquet",
     ]
     assert set(summary["coverage_top_n"]) == {"8192", "16384", "32768", "65536"}
     assert summary["coverage_top_n"]["8192"] == 1.0  # 400 ids < 8192
@@ -305,7 +309,7 @@ def test_count_command_and_no_torch_import(tmp_path):
 import sys
 from tokenmill.cli import main
 assert main(["draft-vocab", "count", "--dataset", {str(shard)!r}, "--vocab-size", "200"]) == 0
-assert main(["draft-vocab", "--counts", {str(shard.parent)!r}, "--draft-size", "16",
+assert main(["draft-vocab", "--counts", {str(tmp_path / "token_counts")!r}, "--draft-size", "16",
              "--target-vocab-size", "256", "--format", "speculators",
              "--out-dir", {str(tmp_path / "out")!r}]) == 0
 assert "torch" not in sys.modules, "torch was imported"

@@ -106,10 +106,11 @@ def data(tmp_path_factory):
     export_jsonl(shard, export)
     counts, _ = dv.count_dataset(shard, TOKENIZER_LEN)
     dv.write_counts(dv.counts_path_for(shard), counts)
+    counts_dir = dv.counts_path_for(shard).parent
     seen = int(np.count_nonzero(counts))
     sizes = {"top": 64, "padded": seen + 40}  # padded: more places than ids seen
-    maps = {k: build(root / f"map-{k}", shard.parent, n) for k, n in sizes.items()}
-    maps["stops"] = build(root / "map-stops", shard.parent, 64, always=[TARGET_VOCAB - 1, 1001])
+    maps = {k: build(root / f"map-{k}", counts_dir, n) for k, n in sizes.items()}
+    maps["stops"] = build(root / "map-stops", counts_dir, 64, always=[TARGET_VOCAB - 1, 1001])
     return {
         "root": root,
         "rows": rows,
@@ -210,7 +211,7 @@ def test_specforge_tie_break_is_first_seen(tmp_path):
     export_jsonl(shard, export)
     counts, _ = dv.count_dataset(shard, TOKENIZER_LEN)
     dv.write_counts(dv.counts_path_for(shard), counts)
-    mine = build(tmp_path / "map", shard.parent, 2)
+    mine = build(tmp_path / "map", dv.counts_path_for(shard).parent, 2)
     assert np.flatnonzero(ours(mine)[1]).tolist() == [3, 7]
     sf = tmp_path / "sf"
     sf.mkdir()

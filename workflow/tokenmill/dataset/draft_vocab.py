@@ -11,8 +11,9 @@ The selected target ids are sorted ascending, so draft id order is target id ord
 
 Two steps, so that the counting pass over the data happens once per shard:
 
-    tokenmill draft-vocab count --dataset SHARD.parquet --vocab-size V  # SHARD.token_counts.parquet
-    tokenmill draft-vocab --counts DIR_OR_FILES... --draft-size N --target-vocab-size V \\
+    tokenmill draft-vocab count --dataset results/dataset/CATEGORY/SHARD.parquet --vocab-size V
+        # -> results/token_counts/CATEGORY/SHARD.parquet
+    tokenmill draft-vocab --counts results/token_counts --draft-size N --target-vocab-size V \\
         --always-include 163586,163585 --out-dir results/draft_vocab
 
 The second writes d2t.npy and t2d.npy (vLLM speculators' `--d2t-path`/`--t2d-path`),
@@ -40,13 +41,15 @@ import pyarrow.parquet as pq
 
 from tokenmill import contracts
 
-COUNTS_SUFFIX = ".token_counts.parquet"
+COUNTS_DIR = "token_counts"
 COUNTS_STAGE = "token_counts"
 META_VOCAB_SIZE = "tokenmill.vocab_size"
 META_LOSS_TOKENS = "tokenmill.loss_tokens"
 META_ROWS = "tokenmill.rows"
 
-# {shard}.token_counts.parquet beside each dataset shard: the ids with a non-zero count, ascending.
+# results/token_counts/{category}/{shard}.parquet, one per dataset shard: the ids with a non-zero
+# count, ascending. Not in results/dataset/: that folder is the published dataset, read as
+# */*.parquet by stats, the card and dataset loaders.
 TOKEN_COUNTS = pa.schema(
     [
         pa.field("token_id", pa.int32(), nullable=False),
@@ -138,9 +141,12 @@ def count_dataset(
 
 
 def counts_path_for(dataset_path) -> Path:
-    """results/dataset/{category}/{shard}.parquet -> .../{shard}.token_counts.parquet."""
+    """results/dataset/{category}/{shard}.parquet ->
+    results/token_counts/{category}/{shard}.parquet."""
     p = Path(dataset_path)
-    return p.with_name(p.name.removesuffix(".parquet") + COUNTS_SUFFIX)
+    if p.parent.parent.name != "dataset":
+        raise ValueError(f"{p} is not results/dataset/{{category}}/{{shard}}.parquet: give --out")
+    return p.parent.parent.parent / COUNTS_DIR / p.parent.name / p.name
 
 
 def write_counts(path, counts: np.ndarray, rows: int | None = None) -> None:
@@ -163,7 +169,7 @@ def write_counts(path, counts: np.ndarray, rows: int | None = None) -> None:
 
 
 def read_counts(path) -> np.ndarray:
-    """Dense int64 [vocab_size] counts from a .token_counts.parquet file."""
+    """Dense int64 [vocab_size] counts from a token-counts file."""
     meta = contracts.read_metadata(path)
     if meta.get(contracts.META_STAGE) != COUNTS_STAGE or META_VOCAB_SIZE not in meta:
         raise ValueError(f"{path} is not a tokenmill token-counts file")
@@ -410,12 +416,12 @@ def write_mapping(
 # Command line
 # ---------------------------------------------------------------------------------------------
 def find_counts(items: Iterable[str]) -> list[Path]:
-    """Counts files named directly, or every *.token_counts.parquet under a folder; sorted."""
+    """Counts files named directly, or every *.parquet under a folder; sorted."""
     found: set[Path] = set()
     for item in items:
         p = Path(item)
         if p.is_dir():
-            found.update(p.rglob(f"*{COUNTS_SUFFIX}"))
+            found.update(p.rglob("*.parquet"))
         elif p.is_file():
             found.add(p)
         else:
@@ -446,7 +452,7 @@ def _count_main(argv: list[str]) -> int:
     )
     parser.add_argument("--dataset", required=True, help="a results/dataset/... shard")
     parser.add_argument("--vocab-size", type=int, required=True, help="ids must be below it")
-    parser.add_argument("--out", help="default: {shard}.token_counts.parquet beside the shard")
+    parser.add_argument("--out", help="default: results/token_counts/{category}/{shard}.parquet")
     parser.add_argument("--max-length", type=int, help="count only the first N tokens of a row")
     args = parser.parse_args(argv)
     counts, rows = count_dataset(args.dataset, args.vocab_size, max_length=args.max_length)
