@@ -22,13 +22,14 @@ vocab_mapping.pt (SpecForge's `model.vocab_mapping_path`) and vocab_mapping.json
 Selection: stop/end-of-turn ids given with --always-include are always in; the remaining places
 go to the ids with the highest counts, equal counts broken by the smaller token id (the order of
 speculators' builder). When fewer ids were seen than there are places, the smallest unused ids
-fill the rest (as both trainers do). Nothing here imports torch except `write_specforge`.
+fill the rest (as both trainers do). Nothing here imports torch except `specforge_bytes`.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import os
 import sys
@@ -312,8 +313,6 @@ def _write_bytes(path, data: bytes) -> None:
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:
-    import io
-
     buf = io.BytesIO()
     np.save(buf, array, allow_pickle=False)
     return buf.getvalue()
@@ -338,8 +337,6 @@ def specforge_bytes(d2t: np.ndarray, t2d: np.ndarray) -> bytes:
     """SpecForge's vocab mapping file: torch.save({"d2t": int64 tensor, "t2d": bool tensor}).
     The only place torch is imported. Saved to memory, so the archive's inner folder name is
     torch's fixed "archive" rather than the name of a temporary file (byte-identical files)."""
-    import io
-
     try:
         import torch
     except ImportError as exc:  # torch is the `reference` extra, not a base dependency
