@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from tokenmill import contracts
 from tokenmill.dataset import draft_vocab as dv
 

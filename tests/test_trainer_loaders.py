@@ -18,8 +18,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenmill.dataset import draft_vocab as dv
 from tokenmill.export import export_jsonl
+
+from tokenmill.dataset import draft_vocab as dv
 
 pytestmark = [pytest.mark.trainers, pytest.mark.slow]
 
