@@ -327,3 +327,136 @@ assert "torch" not in sys.modules, "torch was imported"
     ]
     t2d = np.load(tmp_path / "out" / "t2d.npy")
     assert t2d.shape == (256,) and t2d.dtype == np.bool_
+
+
+# --- the pipeline's side: sums, the coverage view, from-config --------------------------------
+def test_sum_command_per_category_and_overall(tmp_path):
+    counts_dir = tmp_path / "token_counts"
+    vocab = make_counts_tree(counts_dir)
+    for cat in ("chat", "code"):
+        run_cli(
+            ["sum", "--category", cat, "--counts", str(counts_dir / cat)]
+            + ["--out", str(counts_dir / f"{cat}.parquet")]
+        )
+    sums = [counts_dir / "chat.parquet", counts_dir / "code.parquet"]
+    run_cli(
+        ["sum", "--all", "--counts", *map(str, sums), "--out", str(counts_dir / "_all.parquet")]
+    )
+    shards = sorted(counts_dir.glob("*/*.parquet"))
+    for cat in ("chat", "code"):
+        expected = sum(dv.read_counts(p) for p in shards if p.parent.name == cat)
+        np.testing.assert_array_equal(dv.read_counts(counts_dir / f"{cat}.parquet"), expected)
+        meta = contracts.read_metadata(counts_dir / f"{cat}.parquet")
+        assert meta["tokenmill.counts_scope"] == "category" and meta["tokenmill.category"] == cat
+        assert meta["tokenmill.summed_files"] == "2"
+    total = dv.read_counts(counts_dir / "_all.parquet")
+    np.testing.assert_array_equal(total, sum(dv.read_counts(p) for p in shards))
+    assert total.size == vocab
+    assert contracts.read_metadata(counts_dir / "_all.parquet")["tokenmill.counts_scope"] == "all"
+    # A folder given to --counts means its shard files: the sums beside them are not added again.
+    assert dv.find_counts([str(counts_dir)]) == shards
+    np.testing.assert_array_equal(dv.sum_counts(dv.find_counts([str(counts_dir)])), total)
+    # Weights find a category sum's category in its metadata, not its folder.
+    w = dv.sum_counts(sums, {"chat": 2.0, "code": 0.0})
+    np.testing.assert_array_equal(w, 2.0 * dv.read_counts(sums[0]))
+    # A sum refuses another category's shards and mixed scopes.
+    with pytest.raises(ValueError, match="not shard counts of category 'chat'"):
+        dv.sum_files(shards, category="chat")
+    with pytest.raises(ValueError, match="different scopes"):
+        dv.sum_files([shards[0], sums[0]])
+    assert (
+        dv.main(["sum", "--category", "chat", "--counts", *map(str, shards)] + ["--out", "x"]) == 1
+    )
+
+
+def test_coverage_view_small_and_large_vocabularies():
+    # 720 ids as the demo model, 150 of them seen: every standard N is capped, the share
+    # columns still tell how many ids matter.
+    counts = np.zeros(720, np.int64)
+    counts[:150] = np.arange(150, 0, -1)
+    v = dv.coverage_view(counts, draft_size=128)
+    assert (v["vocab_size"], v["distinct_ids"], v["loss_tokens"]) == (720, 150, 11325)
+    assert [r["n"] for r in v["top_n"]] == [128, 8192, 16384, 32768, 65536]
+    draft = v["top_n"][0]
+    assert draft["draft"] and not draft["capped"] and draft["ids"] == 128
+    assert draft["share"] == round(sum(range(150, 22, -1)) / 11325, 6)
+    assert all(r["capped"] and r["ids"] == 720 and r["share"] == 1.0 for r in v["top_n"][1:])
+    cum = np.cumsum(np.arange(150, 0, -1))
+    for share, ids in v["ids_for_share"].items():
+        assert cum[ids - 1] >= float(share) * 11325 > (cum[ids - 2] if ids > 1 else 0)
+    # A large vocabulary: nothing capped.
+    big = np.zeros(163840, np.int64)
+    big[::2] = 1
+    v = dv.coverage_view(big)
+    assert [r["n"] for r in v["top_n"]] == list(dv.COVERAGE_NS)
+    assert not any(r["capped"] for r in v["top_n"])
+    assert v["top_n"][0]["share"] == round(8192 / 81920, 6)
+    assert v["ids_for_share"]["0.9"] == 73728
+    assert dv.coverage_view(np.zeros(10, np.int64))["ids_for_share"]["0.9"] is None
+
+
+def test_model_vocab_size(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"vocab_size": 720}')
+    assert dv.model_vocab_size("m", basedir=tmp_path) == 720
+    (tmp_path / "m" / "config.json").write_text('{"text_config": {"vocab_size": 163840}}')
+    assert dv.model_vocab_size(str(tmp_path / "m")) == 163840  # Kimi-K2.5's layout
+    (tmp_path / "m" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no vocab_size"):
+        dv.model_vocab_size("m", basedir=tmp_path)
+
+
+def test_from_config_builds_the_pipeline_mapping(tmp_path, capsys):
+    """The draft_vocab rule's command: stop tokens resolved by the tokenizer plus eos always
+    in, target size from the model's config.json, weights by category (unlisted: 1)."""
+    pytest.importorskip("torch")
+    from test_merge import GEN_CFG, VOCAB, build_tokenizer
+
+    build_tokenizer(tmp_path / "tok")
+    (tmp_path / "tok" / "config.json").write_text(json.dumps({"vocab_size": 32}))
+    counts_dir = tmp_path / "token_counts"
+    chat = np.zeros(len(VOCAB), np.int64)
+    chat[[5, 6, 7, 8]] = [50, 40, 30, 20]
+    code = np.zeros(len(VOCAB), np.int64)
+    code[[9, 10]] = [25, 24]
+    for cat, c in (("chat", chat), ("code", code)):
+        dv.write_counts(counts_dir / f"{cat}.parquet", c, category=cat, scope="category")
+    gen = dict(GEN_CFG, model="tok")  # stop tokens ["<|im_end|>"] = id 2; eos "<eos>" = id 1
+    ds = {"draft_vocab_size": 4, "draft_vocab_weights": {}}
+
+    def build(ds, out, gen=gen):
+        return dv.main(
+            ["from-config", "--counts", str(counts_dir / "chat.parquet")]
+            + [str(counts_dir / "code.parquet"), "--dataset-config", json.dumps(ds)]
+            + ["--generation-config", json.dumps(gen), "--tokenizer-config"]
+            + [json.dumps({"path": "tok"}), "--basedir", str(tmp_path), "--out-dir", str(out)]
+        )
+
+    assert build(ds, tmp_path / "a") == 0
+    d2t, t2d = np.load(tmp_path / "a" / "d2t.npy"), np.load(tmp_path / "a" / "t2d.npy")
+    check_mapping(d2t, t2d, 4, 32)
+    assert np.flatnonzero(t2d).tolist() == [1, 2, 5, 6]  # eos, <|im_end|>, the top two
+    summary = json.loads((tmp_path / "a" / "vocab_mapping.json").read_text())
+    assert summary["always_include_ids"] == [1, 2] and summary["target_vocab_size"] == 32
+    assert sorted(summary["files"]) == ["d2t.npy", "t2d.npy", "vocab_mapping.pt"]
+    assert [i["path"] for i in summary["inputs"]] == [
+        "token_counts/chat.parquet",
+        "token_counts/code.parquet",
+    ]
+    # code weighted 2x: its ids (50, 48) now beat chat's second (40); chat counts once.
+    ds_w = dict(ds, draft_vocab_weights={"code": 2.0}, draft_vocab_formats=["speculators"])
+    assert build(ds_w, tmp_path / "b") == 0
+    assert np.flatnonzero(np.load(tmp_path / "b" / "t2d.npy")).tolist() == [1, 2, 5, 9]
+    assert not (tmp_path / "b" / "vocab_mapping.pt").exists()
+    summary = json.loads((tmp_path / "b" / "vocab_mapping.json").read_text())
+    assert summary["weights"] == {"chat": 1.0, "code": 2.0}
+    # Errors name the config key.
+    capsys.readouterr()
+    assert build(dict(ds, draft_vocab_size=None), tmp_path / "c") == 1
+    assert "'dataset.draft_vocab_size': null" in capsys.readouterr().err
+    assert build(dict(ds, draft_vocab_size=40), tmp_path / "c") == 1
+    assert "'dataset.draft_vocab_size': 40 with target vocabulary 32" in capsys.readouterr().err
+    assert build(ds, tmp_path / "c", gen=dict(gen, model="no/such-model")) == 1
+    assert "'dataset.draft_vocab_target_size': null, and" in capsys.readouterr().err
+    assert build(dict(ds, draft_vocab_target_size=20), tmp_path / "c") == 0
+    assert np.load(tmp_path / "c" / "t2d.npy").shape == (20,)

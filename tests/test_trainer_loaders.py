@@ -5,6 +5,8 @@ a minute each the first time) via tests/{speculators,specforge}/check_loaders.py
   (a) it loads our export JSONL and our mapping files with its own loaders and checks;
   (b) it builds its own mapping from the same data, which must equal ours; the one documented
       difference is SpecForge's order among equal counts (first seen, not smallest id).
+The last two tests do the same on the pipeline's own output: the demo run (config.yaml, the
+reference engine on CPU) in a tmp copy, its results/export/ and results/dataset/vocab_mapping/.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenmill.export import export_jsonl
 
 from tokenmill.dataset import draft_vocab as dv
+from tokenmill.dataset.export import export_jsonl
 
 pytestmark = [pytest.mark.trainers, pytest.mark.slow]
 
@@ -244,3 +246,89 @@ def test_specforge_tie_break_is_first_seen(tmp_path):
         sp,
     )
     assert np.flatnonzero(np.load(sp / f"t2d-{LONG}-2.npy")).tolist() == [3, 7]
+
+
+# --- the pipeline's own output -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """The bundled demo config run end to end by Snakemake in a tmp copy (a few minutes)."""
+    from test_workflow import copy_workflow, snakemake
+
+    workdir = copy_workflow(tmp_path_factory.mktemp("demo"))
+    proc = snakemake(workdir)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    results = workdir / "results"
+    mapping = results / "dataset" / "vocab_mapping"
+    summary = json.loads((mapping / "vocab_mapping.json").read_text())
+    rows = []
+    for shard in sorted((results / "dataset").glob("*/*.parquet")):
+        t = pq.read_table(shard, columns=["input_ids", "loss_mask"])
+        rows += [
+            {"input_ids": i, "loss_mask": m}
+            for i, m in zip(t["input_ids"].to_pylist(), t["loss_mask"].to_pylist(), strict=True)
+        ]
+    return {
+        "results": results,
+        "mapping": mapping,
+        "summary": summary,
+        "rows": rows,
+        "counts": dv.read_counts(results / dv.COUNTS_DIR / f"{dv.ALL_COUNTS}.parquet"),
+    }
+
+
+def as_set(rows) -> list[str]:
+    return sorted(json.dumps(r, sort_keys=True) for r in rows)
+
+
+def test_speculators_on_the_pipeline_output(demo_run, tmp_path):
+    n, target = demo_run["summary"]["draft_size"], demo_run["summary"]["target_vocab_size"]
+    spec = {
+        "export": str(demo_run["results"] / "export"),  # every *.jsonl under the folder
+        "out": str(tmp_path),
+        "max_lengths": [LONG],
+        "draft_sizes": [n],
+        "target_vocab_size": target,
+        "mappings": [str(demo_run["mapping"])],
+    }
+    run_checker("speculators", spec, tmp_path)
+    # Its pre-tokenized loader reads every row of our export as the dataset holds it.
+    theirs = json.loads((tmp_path / f"rows-{LONG}.json").read_text())
+    assert as_set(theirs) == as_set(demo_run["rows"]) and len(theirs) > 100
+    # Its token frequencies are our counts (merge's pass, summed by the pipeline's rules).
+    counts = demo_run["counts"]
+    freq = json.loads((tmp_path / f"counts-{LONG}.json").read_text())
+    assert freq == {str(i): int(counts[i]) for i in np.flatnonzero(counts)}
+    # Its builder gives our d2t/t2d: our always-included stop id is among its top ids anyway.
+    d2t, t2d = ours(demo_run["mapping"])
+    assert all(t2d[i] for i in demo_run["summary"]["always_include_ids"])
+    np.testing.assert_array_equal(np.load(tmp_path / f"d2t-{LONG}-{n}.npy"), d2t)
+    np.testing.assert_array_equal(np.load(tmp_path / f"t2d-{LONG}-{n}.npy"), t2d)
+
+
+def test_specforge_on_the_pipeline_output(demo_run, tmp_path):
+    n, target = demo_run["summary"]["draft_size"], demo_run["summary"]["target_vocab_size"]
+    # data.prompts_path is one JSONL file: our export files, concatenated.
+    export = tmp_path / "export.jsonl"
+    with export.open("wb") as f:
+        for part in sorted((demo_run["results"] / "export").glob("*/*.jsonl")):
+            f.write(part.read_bytes())
+    spec = {
+        "export": str(export),
+        "out": str(tmp_path),
+        "max_length": LONG,
+        "draft_sizes": [n],
+        "target_vocab_size": target,
+        "mappings": [str(demo_run["mapping"])],
+    }
+    run_checker("specforge", spec, tmp_path)
+    assert as_set(json.loads((tmp_path / "rows.json").read_text())) == as_set(demo_run["rows"])
+    # Its builder: our ids, except which of the ids with the cut-off count get in.
+    counts = np.pad(demo_run["counts"], (0, target - demo_run["counts"].size))
+    d2t, t2d = ours(demo_run["mapping"])
+    their_t2d = np.load(tmp_path / f"t2d-{n}.npy")
+    np.testing.assert_array_equal(
+        np.flatnonzero(their_t2d), np.load(tmp_path / f"d2t-{n}.npy") + np.arange(n)
+    )
+    cut = counts[t2d].min()
+    assert their_t2d[counts > cut].all() and (counts[their_t2d] >= cut).all()
+    assert (counts[np.flatnonzero(their_t2d != t2d)] == cut).all()

@@ -111,6 +111,17 @@ def check_semantics(config: dict, basedir: str | Path = ".") -> None:
                     load_hook(hook, base)
                 except Exception as exc:  # noqa: BLE001 - reported with the key
                     problems.append(f"config key 'categories.{name}.hook': {exc}")
+    ds = config.get("dataset", {})
+    for cat in sorted(set(ds.get("draft_vocab_weights") or {}) - set(config["categories"])):
+        problems.append(
+            f"config key 'dataset.draft_vocab_weights.{cat}': {cat!r} is not a category"
+        )
+    size, target = ds.get("draft_vocab_size"), ds.get("draft_vocab_target_size")
+    if size is not None and target is not None and size > target:
+        problems.append(
+            f"config key 'dataset.draft_vocab_size': {size} is larger than "
+            f"dataset.draft_vocab_target_size {target}"
+        )
     gen = config.get("generation", {})
     if gen:
         if "model" not in gen:

@@ -9,10 +9,15 @@ most often where `loss_mask == 1`. Two arrays describe it:
 
 The selected target ids are sorted ascending, so draft id order is target id order.
 
-Two steps, so that the counting pass over the data happens once per shard:
+Two steps, so that the counting pass over the data happens once per shard. In the pipeline,
+`tokenmill merge --counts-out` counts each shard while merging it (the `merge_shard` rule), the
+`sum` command adds them per category and overall, and the `from-config` command (the
+`draft_vocab` rule) builds the mapping into results/dataset/vocab_mapping/. By hand:
 
     tokenmill draft-vocab count --dataset results/dataset/CATEGORY/SHARD.parquet --vocab-size V
         # -> results/token_counts/CATEGORY/SHARD.parquet
+    tokenmill draft-vocab sum --counts results/token_counts/CATEGORY --category CATEGORY \\
+        --out results/token_counts/CATEGORY.parquet
     tokenmill draft-vocab --counts results/token_counts --draft-size N --target-vocab-size V \\
         --always-include 163586,163585 --out-dir results/draft_vocab
 
@@ -47,6 +52,16 @@ COUNTS_STAGE = "token_counts"
 META_VOCAB_SIZE = "tokenmill.vocab_size"
 META_LOSS_TOKENS = "tokenmill.loss_tokens"
 META_ROWS = "tokenmill.rows"
+# "shard" (one dataset shard), "category" (the sum of a category's shards) or "all" (the sum of
+# every category): a folder given to --counts is read for its shard files only, so the sums
+# that lie beside them (results/token_counts/{category}.parquet, _all.parquet) are not added
+# twice. Files without it are shard files.
+META_SCOPE = "tokenmill.counts_scope"
+META_FILES = "tokenmill.summed_files"
+SCOPES = ("shard", "category", "all")
+ALL_COUNTS = "_all"  # results/token_counts/_all.parquet; category names cannot start with "_"
+# results/dataset/vocab_mapping/: beside the dataset's category folders, with no Parquet in it
+MAPPING_DIR = "vocab_mapping"
 
 # results/token_counts/{category}/{shard}.parquet, one per dataset shard: the ids with a non-zero
 # count, ascending. Not in results/dataset/: that folder is the published dataset, read as
@@ -63,6 +78,7 @@ SPECULATORS_T2D = "t2d.npy"
 SPECFORGE_PT = "vocab_mapping.pt"
 SUMMARY_JSON = "vocab_mapping.json"
 FORMATS = ("speculators", "specforge")
+FORMAT_FILES = {"speculators": (SPECULATORS_D2T, SPECULATORS_T2D), "specforge": (SPECFORGE_PT,)}
 COVERAGE_NS = (8192, 16384, 32768, 65536)
 TIE_BREAK = "count descending, then token id ascending"
 
@@ -150,9 +166,21 @@ def counts_path_for(dataset_path) -> Path:
     return p.parent.parent.parent / COUNTS_DIR / p.parent.name / p.name
 
 
-def write_counts(path, counts: np.ndarray, rows: int | None = None) -> None:
+def write_counts(
+    path,
+    counts: np.ndarray,
+    rows: int | None = None,
+    *,
+    category: str | None = None,
+    shard: str | None = None,
+    scope: str = "shard",
+    files: int | None = None,
+) -> None:
     """The non-zero counts as Parquet (token_id int32, count int64, ascending ids), with the
-    vocabulary size in the metadata. Deterministic and atomic (tokenmill.contracts)."""
+    vocabulary size, scope (and category, shard, rows when given) in the metadata.
+    Deterministic and atomic (tokenmill.contracts)."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     counts = np.asarray(counts)
     if counts.ndim != 1 or counts.dtype.kind not in "iu" or (counts < 0).any():
         raise ValueError("counts must be a 1-D array of non-negative integers")
@@ -163,9 +191,18 @@ def write_counts(path, counts: np.ndarray, rows: int | None = None) -> None:
         {"token_id": ids.astype(np.int32), "count": counts[ids].astype(np.int64)},
         schema=TOKEN_COUNTS,
     )
-    meta = {META_VOCAB_SIZE: counts.size, META_LOSS_TOKENS: int(counts.sum())}
-    if rows is not None:
-        meta[META_ROWS] = rows
+    meta = {
+        META_VOCAB_SIZE: counts.size,
+        META_LOSS_TOKENS: int(counts.sum()),
+        META_SCOPE: scope,
+    }
+    optional = {
+        META_ROWS: rows,
+        contracts.META_CATEGORY: category,
+        contracts.META_SHARD: shard,
+        META_FILES: files,
+    }
+    meta.update({k: v for k, v in optional.items() if v is not None})
     contracts.write_table(table, path, TOKEN_COUNTS, COUNTS_STAGE, meta)
 
 
@@ -185,11 +222,21 @@ def read_counts(path) -> np.ndarray:
     return counts
 
 
+def counts_category(path) -> str:
+    """The category of a counts file: its `tokenmill.category` metadata, else the folder it
+    lies in (results/token_counts/{category}/{shard}.parquet)."""
+    return contracts.read_metadata(path).get(contracts.META_CATEGORY) or Path(path).parent.name
+
+
+def counts_scope(path) -> str:
+    return contracts.read_metadata(path).get(META_SCOPE) or "shard"
+
+
 def sum_counts(paths: Iterable, weights: Mapping[str, float] | None = None) -> np.ndarray:
-    """Sum of per-shard counts. Without weights: exact int64. With weights ({category: w},
-    the category being the folder a counts file lies in, as in results/dataset/{category}/):
-    float64, each category's exact integer sum times its weight, added in category order, so
-    the result does not depend on the order of `paths`."""
+    """Sum of counts files. Without weights: exact int64. With weights ({category: w}, the
+    category of a file being counts_category()): float64, each category's exact integer sum
+    times its weight, added in category order, so the result does not depend on the order of
+    `paths`."""
     per_category: dict[str, np.ndarray] = {}
     size = None
     for path in paths:
@@ -197,7 +244,7 @@ def sum_counts(paths: Iterable, weights: Mapping[str, float] | None = None) -> n
         if size is not None and c.size != size:
             raise ValueError(f"{path}: vocabulary size {c.size} differs from {size}")
         size = c.size
-        cat = Path(path).parent.name if weights is not None else ""
+        cat = counts_category(path) if weights is not None else ""
         if cat in per_category:
             per_category[cat] += c
         else:
@@ -292,6 +339,45 @@ def coverage(counts: np.ndarray, ns: Iterable[int] = COVERAGE_NS) -> dict[int, f
     return out
 
 
+COVERAGE_SHARES = (0.9, 0.95, 0.99, 0.999)
+
+
+def coverage_view(counts: np.ndarray, draft_size: int | None = None) -> dict:
+    """What people look at before choosing a draft vocabulary size (stats/summary.json):
+
+    loss_tokens, distinct_ids, vocab_size (the counts' length),
+    top_n: [{n, ids, capped, share}] for n in COVERAGE_NS (and the configured draft size,
+        marked draft: true): the share of loss tokens on the `ids` = min(n, vocab_size) most
+        frequent ids (capped: n exceeds the vocabulary, so every id is in);
+    ids_for_share: {share: the fewest ids that cover it} (null when nothing was counted).
+    The second half is what still says something when the vocabulary is smaller than 8192."""
+    counts = np.asarray(counts)
+    vocab = int(counts.size)
+    total = int(counts.sum())
+    cum = np.cumsum(np.sort(counts)[::-1])
+    ns = [(int(n), False) for n in COVERAGE_NS]
+    if draft_size:
+        ns.append((int(draft_size), True))
+    rows = []
+    for n, is_draft in sorted(ns):
+        ids = min(n, vocab)
+        share = int(cum[ids - 1]) / total if total and ids else 0.0
+        row = {"n": n, "ids": ids, "capped": n > vocab, "share": round(share, 6)}
+        if is_draft:
+            row["draft"] = True
+        rows.append(row)
+    return {
+        "loss_tokens": total,
+        "distinct_ids": int(np.count_nonzero(counts)),
+        "vocab_size": vocab,
+        "top_n": rows,
+        "ids_for_share": {
+            str(share): int(np.searchsorted(cum, share * total, side="left")) + 1 if total else None
+            for share in COVERAGE_SHARES
+        },
+    }
+
+
 def mapping_coverage(counts: np.ndarray, t2d: np.ndarray) -> float:
     """Share of the loss-masked tokens whose id is in the draft vocabulary."""
     counts = np.asarray(counts, dtype=np.float64)
@@ -377,6 +463,7 @@ def write_mapping(
     target_vocab_size: int | None = None,
     formats: Sequence[str] = FORMATS,
     inputs: Sequence[dict] = (),
+    weights: Mapping[str, float] | None = None,
 ) -> dict:
     """Build the mapping, write it in `formats` and vocab_mapping.json; returns the summary."""
     unknown = sorted(set(formats) - set(FORMATS))
@@ -404,6 +491,8 @@ def write_mapping(
         "files": dict(sorted(files.items())),
         "inputs": list(inputs),
     }
+    if weights is not None:
+        summary["weights"] = {k: float(v) for k, v in sorted(weights.items())}
     text = json.dumps(summary, indent=2, sort_keys=True) + "\n"
     _write_bytes(Path(out_dir) / SUMMARY_JSON, text.encode())
     return summary
@@ -413,12 +502,13 @@ def write_mapping(
 # Command line
 # ---------------------------------------------------------------------------------------------
 def find_counts(items: Iterable[str]) -> list[Path]:
-    """Counts files named directly, or every *.parquet under a folder; sorted."""
+    """Counts files named directly, or every shard counts file under a folder (not the sums
+    that lie beside them); sorted."""
     found: set[Path] = set()
     for item in items:
         p = Path(item)
         if p.is_dir():
-            found.update(p.rglob("*.parquet"))
+            found.update(f for f in p.rglob("*.parquet") if counts_scope(f) == "shard")
         elif p.is_file():
             found.add(p)
         else:
@@ -459,13 +549,157 @@ def _count_main(argv: list[str]) -> int:
     return 0
 
 
+def _sum_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tokenmill draft-vocab sum",
+        description="add counts files: one category's shards, or every category's sum",
+    )
+    parser.add_argument("--counts", nargs="+", required=True, help="counts files or folders")
+    parser.add_argument("--out", required=True)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--category", help="the shards of this category (a category sum)")
+    which.add_argument("--all", action="store_true", help="every category (the overall sum)")
+    args = parser.parse_args(argv)
+    paths = find_counts(args.counts)
+    if not paths:
+        print("tokenmill draft-vocab sum: no counts files found", file=sys.stderr)
+        return 2
+    try:
+        counts, rows = sum_files(paths, category=args.category)
+    except ValueError as exc:
+        print(f"tokenmill draft-vocab sum: {exc}", file=sys.stderr)
+        return 1
+    scope = "all" if args.all else "category"
+    write_counts(args.out, counts, rows, category=args.category, scope=scope, files=len(paths))
+    print(f"{args.out}: {int(counts.sum())} loss tokens from {len(paths)} files")
+    return 0
+
+
+def sum_files(paths: Sequence, category: str | None = None) -> tuple[np.ndarray, int | None]:
+    """(exact sum, summed rows or None) of counts files of one scope. With `category`, every
+    file must be a shard of it: a sum must never take in a file twice or another category."""
+    scopes = {counts_scope(p) for p in paths}
+    if len(scopes) != 1:
+        raise ValueError(f"counts files of different scopes {sorted(scopes)}: sum one kind")
+    if category is not None:
+        others = sorted(str(p) for p in paths if counts_category(p) != category)
+        if others or scopes != {"shard"}:
+            raise ValueError(f"not shard counts of category {category!r}: {others or paths}")
+    rows = [contracts.read_metadata(p).get(META_ROWS) for p in paths]
+    total_rows = sum(int(r) for r in rows) if None not in rows else None
+    return sum_counts(paths), total_rows
+
+
+def model_vocab_size(model: str, revision: str | None = None, basedir=".") -> int:
+    """The target model config's vocab_size (the length of t2d): config.json of a local model
+    folder, or of a hub model (through the Hugging Face cache). Multimodal wrappers (Kimi-K2.5)
+    keep it in text_config."""
+    local = Path(basedir) / model
+    if local.is_dir():
+        path = local / "config.json"
+    else:
+        from huggingface_hub import hf_hub_download
+
+        path = Path(hf_hub_download(model, "config.json", revision=revision))
+    cfg = json.loads(Path(path).read_text(encoding="utf-8"))
+    for section in (cfg, cfg.get("text_config") or {}, cfg.get("llm_config") or {}):
+        if isinstance(section.get("vocab_size"), int):
+            return int(section["vocab_size"])
+    raise ValueError(f"{path} has no vocab_size (nor text_config.vocab_size)")
+
+
+def _from_config_main(argv: list[str]) -> int:
+    """The `draft_vocab` rule: every setting from the pipeline's config sections."""
+    from tokenmill.cli import json_arg
+
+    parser = argparse.ArgumentParser(
+        prog="tokenmill draft-vocab from-config",
+        description="build the draft vocabulary as the config's dataset.draft_vocab_* keys say",
+    )
+    parser.add_argument("--counts", nargs="+", required=True, help="counts files or folders")
+    parser.add_argument("--dataset-config", required=True, help="JSON object or JSON file")
+    parser.add_argument("--generation-config", required=True, help="JSON object or JSON file")
+    parser.add_argument("--tokenizer-config", required=True, help="JSON object or JSON file")
+    parser.add_argument("--basedir", default=".")
+    parser.add_argument("--out-dir", required=True)
+    args = parser.parse_args(argv)
+    ds = json_arg(args.dataset_config)
+    gen = json_arg(args.generation_config)
+    tok_cfg = json_arg(args.tokenizer_config)
+
+    def fail(key, message) -> int:
+        print(f"tokenmill draft-vocab: config key 'dataset.{key}': {message}", file=sys.stderr)
+        return 1
+
+    size = ds.get("draft_vocab_size")
+    if size is None:
+        return fail("draft_vocab_size", "null: there is no draft vocabulary to build")
+    paths = find_counts(args.counts)
+    if not paths:
+        print("tokenmill draft-vocab: no counts files found", file=sys.stderr)
+        return 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from tokenmill.dataset import validate
+    from tokenmill.tokenization.tokenizer import load_tokenizer
+
+    # The configured stop tokens as the tokenizer resolves them, plus its eos: merge's stop ids.
+    rules = validate.rules_from_config(ds, gen, load_tokenizer(tok_cfg, args.basedir))
+    target = ds.get("draft_vocab_target_size")
+    if target is None:
+        try:
+            target = model_vocab_size(gen["model"], gen.get("revision"), args.basedir)
+        except Exception as exc:  # noqa: BLE001 - reported with the key that avoids it
+            return fail(
+                "draft_vocab_target_size",
+                f"null, and the vocab_size of generation.model {gen.get('model')!r} could not "
+                f"be read ({exc}); set it to the model config's vocab_size",
+            )
+    weights = ds.get("draft_vocab_weights") or None
+    if weights is not None:
+        # Categories without a weight count once.
+        weights = {counts_category(p): 1.0 for p in paths} | dict(weights)
+    inputs = [
+        {
+            "path": f"{p.parent.name}/{p.name}",
+            "sha256": hashlib.sha256(p.read_bytes()).hexdigest(),
+        }
+        for p in paths
+    ]
+    try:
+        counts = sum_counts(paths, weights)
+        summary = write_mapping(
+            args.out_dir,
+            counts,
+            int(size),
+            sorted(set(rules.stop_ids)),
+            int(target),
+            ds.get("draft_vocab_formats") or FORMATS,
+            inputs,
+            weights,
+        )
+    except ValueError as exc:
+        return fail("draft_vocab_size", f"{size} with target vocabulary {target}: {exc}")
+    print(
+        f"draft vocabulary of {summary['draft_size']} ids over {summary['target_vocab_size']} "
+        f"(always in: {summary['always_include_ids']}): {summary['draft_coverage']:.2%} of "
+        f"{summary['loss_tokens']} loss tokens; wrote {', '.join(summary['files'])} and "
+        f"{SUMMARY_JSON} to {args.out_dir}"
+    )
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "count":
         return _count_main(argv[1:])
+    if argv and argv[0] == "sum":
+        return _sum_main(argv[1:])
+    if argv and argv[0] == "from-config":
+        return _from_config_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="tokenmill draft-vocab",
         description="build the draft vocabulary (d2t/t2d) from per-shard token counts; "
-        "`tokenmill draft-vocab count --help` makes those counts",
+        "`tokenmill draft-vocab count --help` makes those counts, `sum --help` adds them, "
+        "`from-config --help` is the pipeline's draft_vocab rule",
     )
     parser.add_argument("--counts", nargs="+", required=True, help="counts files or folders")
     parser.add_argument("--draft-size", type=int, required=True)
@@ -496,7 +730,8 @@ def main(argv: list[str]) -> int:
     if not paths:
         print("tokenmill draft-vocab: no counts files found", file=sys.stderr)
         return 2
-    counts = sum_counts(paths, _weights(args.weight))
+    weights = _weights(args.weight)
+    counts = sum_counts(paths, weights)
     inputs = []
     for p in paths:
         data = p.read_bytes()
@@ -511,6 +746,7 @@ def main(argv: list[str]) -> int:
         args.target_vocab_size,
         args.format or FORMATS,
         inputs,
+        weights,
     )
     print(
         f"draft vocabulary of {summary['draft_size']} ids over {summary['target_vocab_size']}: "

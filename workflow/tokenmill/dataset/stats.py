@@ -16,7 +16,12 @@ summary.json (keys sorted; "schema": "tokenmill.stats/1"):
       prefix_cache: cached_tokens, prompt_tokens, hit_rate (sum cached / sum prompt tokens)
       generation: wall_time_s, output_tokens, output_tokens_per_s, gpus,
                   gpu_hours, output_tokens_per_gpu_hour
+      token_coverage: loss_tokens, distinct_ids, vocab_size, top_n [{n, ids, capped, share}],
+                  ids_for_share {0.9|0.95|0.99|0.999: ids}   (draft_vocab.coverage_view, from
+                  results/token_counts/{category}.parquet and _all.parquet; absent without them)
     conservation: ok, problems [..]
+
+token_coverage.png: the same coverage as curves (share of loss tokens on the top-N ids).
 
 Counting: kept = rows in the stage's output files, rejected = rows in its rejected files,
 in = the stage's `tokenmill.records_in` metadata (summed over shards; when every tokenized
@@ -43,10 +48,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokenmill import contracts
+from tokenmill.dataset import draft_vocab
 
 STAGES = ("prepare", "tokenize", "generate", "merge")
 METRICS = ("prompt_tokens", "output_tokens", "reasoning_tokens", "answer_tokens", "total_tokens")
 PLOT_FILES = tuple(f"length_{m}.png" for m in METRICS)
+COVERAGE_PLOT = "token_coverage.png"
 
 
 def _rows(files) -> int:
@@ -239,6 +246,7 @@ def collect(results_dir, config: dict) -> tuple[dict, dict]:
     for stage_dir in ("tokenized", "generated", "dataset"):
         if (results / stage_dir).is_dir():
             names |= {p.name for p in (results / stage_dir).iterdir() if p.is_dir()}
+    names.discard(draft_vocab.MAPPING_DIR)  # results/dataset/vocab_mapping is no category
     if (results / "prompts").is_dir():
         names |= {p.stem for p in (results / "prompts").glob("*.parquet")}
     gpus = int(config.get("generation", {}).get("resources", {}).get("gpus", 1)) or 1
@@ -247,6 +255,7 @@ def collect(results_dir, config: dict) -> tuple[dict, dict]:
         cats[cat], raws[cat] = _category(results, cat, gpus)
     problems = conservation(cats)
     overall = _overall(cats, raws, gpus)
+    _token_coverage(results, cats, overall, config)
     summary = {
         "schema": "tokenmill.stats/1",
         "categories": cats,
@@ -284,6 +293,115 @@ def _overall(cats, raws, gpus) -> dict:
         "prefix_cache": _cache(cached, prompt_tok),
         "generation": _throughput(wall, out_tok, gpus),
     }
+
+
+def _coverage_counts(results: Path, names) -> dict:
+    """{category or "all": dense counts} of the count sums that exist."""
+    out = {}
+    for name in names:
+        path = results / draft_vocab.COUNTS_DIR / f"{name}.parquet"
+        if path.is_file():
+            out[name] = draft_vocab.read_counts(path)
+    return out
+
+
+def _token_coverage(results: Path, cats: dict, overall: dict, config: dict) -> None:
+    draft_size = (config.get("dataset") or {}).get("draft_vocab_size")
+    found = _coverage_counts(results, [*cats, draft_vocab.ALL_COUNTS])
+    for name, counts in found.items():
+        scope = overall if name == draft_vocab.ALL_COUNTS else cats[name]
+        scope["token_coverage"] = draft_vocab.coverage_view(counts, draft_size)
+
+
+def coverage_markdown(summary: dict) -> list[str]:
+    """The token-coverage table (empty without counts)."""
+    scopes = list(summary["categories"].items()) + [("**all**", summary["overall"])]
+    scopes = [(c, s["token_coverage"]) for c, s in scopes if "token_coverage" in s]
+    if not scopes:
+        return []
+    ref = scopes[-1][1]
+    head = []
+    for row in ref["top_n"]:
+        label = f"top {row['n']:,}" + (" (draft)" if row.get("draft") else "")
+        head.append(label + (f" (all {row['ids']:,})" if row["capped"] else ""))
+    shares = list(ref["ids_for_share"])
+    out = ["", "## Token coverage (loss-masked tokens)", ""]
+    out += [
+        "Share of the tokens the drafter is trained on (loss_mask = 1) that fall on the N most "
+        "frequent token ids, i.e. what a draft vocabulary of N ids covers, and the fewest ids "
+        f"that cover a share. The vocabulary has {ref['vocab_size']:,} ids; an N above it "
+        "takes them all.",
+        "",
+        "| category | loss tokens | distinct ids | "
+        + " | ".join(head)
+        + " | "
+        + " | ".join(f"ids for {float(x):.1%}" for x in shares)
+        + " |",
+        "|---|---:|---:|" + "---:|" * (len(head) + len(shares)),
+    ]
+    for cat, cov in scopes:
+        cells = [f"{r['share']:.2%}" for r in cov["top_n"]]
+        cells += [_fmt(cov["ids_for_share"][x]) for x in shares]
+        out.append(
+            f"| {cat} | {_fmt(cov['loss_tokens'])} | {_fmt(cov['distinct_ids'])} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return out
+
+
+def coverage_plot(results_dir, summary: dict, out_dir: Path) -> Path:
+    """token_coverage.png: share of loss tokens on the top-N ids, one curve per category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = Path(results_dir)
+    found = _coverage_counts(results, [*summary["categories"], draft_vocab.ALL_COUNTS])
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    if found:
+        vocab = 1
+        for name, counts in found.items():
+            total = counts.sum()
+            if not total:
+                continue
+            cum = np.cumsum(np.sort(counts)[::-1]) / total
+            seen = max(int(np.count_nonzero(counts)), 1)
+            x = np.arange(1, seen + 1)
+            is_all = name == draft_vocab.ALL_COUNTS
+            ax.plot(
+                x,
+                cum[:seen],
+                color="black" if is_all else None,
+                linewidth=2 if is_all else 1,
+                label=f"all ({int(total):,} tokens)" if is_all else f"{name} ({int(total):,})",
+            )
+            vocab = max(vocab, counts.size)
+        cov = summary["overall"].get("token_coverage") or {}
+        for row in cov.get("top_n", []):
+            if row["capped"]:
+                continue
+            ax.axvline(
+                row["n"],
+                color="red" if row.get("draft") else "grey",
+                linestyle="--",
+                linewidth=0.8,
+            )
+        ax.set_xscale("log")
+        ax.set_xlim(1, vocab)
+        ax.set_ylim(0, 1.01)
+        ax.legend(fontsize=8, loc="lower right")
+    else:
+        ax.text(0.5, 0.5, "no token counts", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("top-N token ids (log scale; dashed: 8k-64k, red: the draft vocabulary size)")
+    ax.set_ylabel("share of loss-masked tokens")
+    ax.set_title("Coverage of the loss-masked tokens by the most frequent ids")
+    fig.tight_layout()
+    path = out_dir / COVERAGE_PLOT
+    fig.savefig(path, metadata={"Software": None})
+    plt.close(fig)
+    return path
 
 
 def _fmt(v) -> str:
@@ -327,6 +445,7 @@ def markdown(summary: dict) -> str:
             f"{_fmt(g['output_tokens'])} | {_fmt(g['output_tokens_per_s'])} | "
             f"{_fmt(g['output_tokens_per_gpu_hour'])} |"
         )
+    out += coverage_markdown(summary)
     c = summary["conservation"]
     out += ["", "## Conservation", "", "All counts add up." if c["ok"] else "Counts do NOT add up:"]
     out += [f"- {p}" for p in c["problems"]]
@@ -376,6 +495,7 @@ def main(argv: list[str]) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     (out / "summary.md").write_text(markdown(summary))
     plots(raws, out)
+    coverage_plot(args.results_dir, summary, out)
     if not summary["conservation"]["ok"]:
         print("tokenmill stats: counts do not add up:", file=sys.stderr)
         for p in summary["conservation"]["problems"]:
