@@ -272,4 +272,6 @@ def test_card_loads_with_datasets(tmp_path):
     assert (r / "dataset" / "vocab_mapping" / "d2t.npy").is_file()
     assert "config_name: vocab_mapping" not in text
     assert "## Draft vocabulary" in text and "`vocab_mapping/d2t.npy`" in text
+    # A mapping left from an earlier config with a draft size is not described as this one's.
+    assert "## Draft vocabulary" not in card.render(r, dict(CONFIG, dataset={}), None)
     assert pq.read_table(r / "dataset" / "code" / "000.parquet").num_rows == 1

@@ -108,7 +108,8 @@ def render(results_dir, config: dict, summary: dict | None) -> str:
         "|---|---|---|",
     ]
     lines += [f"| `{n}` | {t} | {d} |" for n, t, d in COLUMNS]
-    lines += _draft_vocab_section(dataset)
+    if (config.get("dataset") or {}).get("draft_vocab_size") is not None:
+        lines += _draft_vocab_section(dataset)  # not a stale folder of an earlier config
     if summary:
         lines += ["", "## Statistics", ""]
         lines += [
