@@ -280,6 +280,7 @@ def as_set(rows) -> list[str]:
     return sorted(json.dumps(r, sort_keys=True) for r in rows)
 
 
+@pytest.mark.e2e  # a real Snakemake run of the demo
 def test_speculators_on_the_pipeline_output(demo_run, tmp_path):
     n, target = demo_run["summary"]["draft_size"], demo_run["summary"]["target_vocab_size"]
     spec = {
@@ -305,6 +306,7 @@ def test_speculators_on_the_pipeline_output(demo_run, tmp_path):
     np.testing.assert_array_equal(np.load(tmp_path / f"t2d-{LONG}-{n}.npy"), t2d)
 
 
+@pytest.mark.e2e  # a real Snakemake run of the demo
 def test_specforge_on_the_pipeline_output(demo_run, tmp_path):
     n, target = demo_run["summary"]["draft_size"], demo_run["summary"]["target_vocab_size"]
     # data.prompts_path is one JSONL file: our export files, concatenated.
