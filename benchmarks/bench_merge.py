@@ -13,6 +13,7 @@ machine), then runs, each in its own subprocess so peak RSS is per side, --repea
           the contracts' writer options (zstd 3): the unavoidable read + compress + write;
   merge+jsonl : merge with the JSONL export;
   merge-counts : merge without the token counts (what counting costs).
+With --counting-cost, only merge with and without the counts, alternating in one process.
 Prints the median wall time of each side, throughput (samples/s, tokens/s), the merge/floor
 ratio (target <= 2x), each side's CPU seconds (all threads of the process; merge's writer
 thread overlaps its next batch, so its CPU time exceeds its wall time on an idle machine), and
@@ -143,12 +144,50 @@ def run_side(side: str, directory: Path, shards: int, vocab: int = VOCAB) -> dic
     return {"side": side, "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": rss_mb}
 
 
+def counting_cost(directory: Path, shards: int, vocab: int, repeat: int) -> None:
+    """Merge with and without the token counts, alternating in one process: on a busy machine
+    the minimum of paired runs shows what counting costs when the side-by-side ratio cannot."""
+    rules = validate.Rules(vocab_size=vocab, stop_ids=(2,), think_end_id=5)
+    fp = keys.generation_fingerprint(GEN_CFG)
+    pa.array([0]).to_numpy()
+    times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for _ in range(repeat):
+        for counts in (True, False):
+            t0, c0 = time.perf_counter(), time.process_time()
+            for s in range(shards):
+                merge.merge_shard(
+                    directory / f"tok{s:03d}.parquet",
+                    directory / f"gen{s:03d}.parquet",
+                    directory / f"out{s:03d}.parquet",
+                    directory / f"rej{s:03d}.parquet",
+                    rules,
+                    fp,
+                    "bench",
+                    f"{s:03d}",
+                    counts_out=directory / f"counts{s:03d}.parquet" if counts else None,
+                )
+            times[counts].append((time.perf_counter() - t0, time.process_time() - c0))
+    for counts, runs in times.items():
+        wall, cpu = sorted(r[0] for r in runs), sorted(r[1] for r in runs)
+        print(
+            f"merge {'with' if counts else 'without':<7} counts: wall min {wall[0]:.3f} s, "
+            f"median {np.median(wall):.3f} s; CPU min {cpu[0]:.3f} s, median {np.median(cpu):.3f} s"
+        )
+    extra = min(r[1] for r in times[True]) / min(r[1] for r in times[False]) - 1
+    print(f"counting adds {extra:+.1%} CPU (minimum of {repeat} paired runs)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=100_000)
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3, help="runs per side; medians printed")
     parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size of the ids")
+    parser.add_argument(
+        "--counting-cost",
+        action="store_true",
+        help="only: merge with and without the token counts, --repeat paired runs in one process",
+    )
     parser.add_argument("--side")
     parser.add_argument("--dir")
     args = parser.parse_args()
@@ -159,6 +198,9 @@ def main() -> int:
         d = Path(tmp)
         t0 = time.perf_counter()
         tokens = build(d, args.samples, args.shards, args.vocab)
+        if args.counting_cost:
+            counting_cost(d, args.shards, args.vocab, args.repeat)
+            return 0
         samples = args.samples // args.shards * args.shards
         print(
             f"input: {samples:,} samples in {args.shards} shards, {tokens:,} tokens "
