@@ -1,19 +1,25 @@
 """Benchmark: tokenmill merge (+ validation) against the I/O floor, with peak memory.
 
     .venv/bin/python benchmarks/bench_merge.py [--samples 100000] [--shards 4] [--repeat 3]
+        [--vocab 32000]
 
 Builds synthetic tokenized and generated shards (token lengths scaled down to fit a small
 machine), then runs, each in its own subprocess so peak RSS is per side, --repeat times in turn:
-  merge : merge.merge_shard on every shard (join, sample keys, every validation rule, one pass
-          over the inputs, DATASET output + rejected file);
+  merge : merge.merge_shard on every shard as the pipeline runs it (join, sample keys, every
+          validation rule, one pass over the inputs, DATASET output + rejected file + the
+          shard's loss-token counts for the draft vocabulary);
   floor : what the issue defines: pyarrow reads the two inputs of every shard (all columns) and
           writes the output (the DATASET table merge wrote, loaded before the clock starts) with
           the contracts' writer options (zstd 3): the unavoidable read + compress + write;
-  merge+jsonl : merge with the JSONL export.
+  merge+jsonl : merge with the JSONL export;
+  merge-counts : merge without the token counts (what counting costs).
+With --counting-cost, only merge with and without the counts, alternating in one process.
 Prints the median wall time of each side, throughput (samples/s, tokens/s), the merge/floor
-ratio (target <= 2x), and each side's peak RSS next to the size of one shard and of the whole
-dataset in memory. Each side starts its clock after pyarrow's lazy pandas import (a fixed
-cost per process, which both would otherwise pay differently).
+ratio (target <= 2x), each side's CPU seconds (all threads of the process; merge's writer
+thread overlaps its next batch, so its CPU time exceeds its wall time on an idle machine), and
+each side's peak RSS next to the size of one shard and of the whole dataset in memory. Each
+side starts its clock after pyarrow's lazy pandas import (a fixed cost per process, which both
+would otherwise pay differently).
 """
 
 from __future__ import annotations
@@ -35,28 +41,28 @@ from tokenmill import contracts, keys
 from tokenmill.dataset import export, merge, validate
 
 GEN_CFG = {"model": "bench", "sampling": {"max_new_tokens": 256}, "stop_tokens": [2]}
-VOCAB = 32000
+VOCAB = 32000  # --vocab; ids are uniform in [10, VOCAB): every id is seen, the densest counts
 
 
-def _lists(rng, n, lo, hi, tail=None):
+def _lists(rng, n, lo, hi, tail=None, vocab=VOCAB):
     lengths = rng.integers(lo, hi, n)
     off = np.zeros(n + 1, np.int64)
     np.cumsum(lengths, out=off[1:])
-    vals = rng.integers(10, VOCAB, int(off[-1])).astype(np.int32)
+    vals = rng.integers(10, vocab, int(off[-1])).astype(np.int32)
     if tail is not None:
         vals[off[1:] - 1] = tail
     return off, vals
 
 
-def build(directory: Path, samples: int, shards: int) -> int:
+def build(directory: Path, samples: int, shards: int, vocab: int = VOCAB) -> int:
     rng = np.random.default_rng(0)
     fp = keys.generation_fingerprint(GEN_CFG)
     tokens = 0
     per = samples // shards
     for s in range(shards):
         pids = np.array([f"{s:03d}-{i:07d}" for i in range(per)], dtype=object)
-        p_off, p_val = _lists(rng, per, 16, 112)
-        o_off, o_val = _lists(rng, per, 16, 112, tail=2)
+        p_off, p_val = _lists(rng, per, 16, 112, vocab=vocab)
+        o_off, o_val = _lists(rng, per, 16, 112, tail=2, vocab=vocab)
         tokens += len(p_val) + len(o_val)
         sample_keys = [keys.sample_key(fp, p_val[p_off[i] : p_off[i + 1]]) for i in range(per)]
         prompt_ids = pa.ListArray.from_arrays(pa.array(p_off.astype(np.int32)), pa.array(p_val))
@@ -92,19 +98,19 @@ def build(directory: Path, samples: int, shards: int) -> int:
     return tokens
 
 
-def run_side(side: str, directory: Path, shards: int) -> dict:
+def run_side(side: str, directory: Path, shards: int, vocab: int = VOCAB) -> dict:
     out = directory / side
     out.mkdir(exist_ok=True)
     # pyarrow imports pandas on its first to_numpy() (~0.2 s, once per process, not per token):
     # done before either side's clock starts.
     pa.array([0]).to_numpy()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if side == "floor":
-        wall = 0.0
+        wall = cpu = 0.0
         for s in range(shards):
             # The output as merge built it, loaded outside the clock: the floor writes it.
             output = pq.ParquetFile(directory / "merge" / f"{s:03d}.parquet").read()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             pq.ParquetFile(directory / f"tok{s:03d}.parquet", memory_map=True).read()
             pq.ParquetFile(directory / f"gen{s:03d}.parquet", memory_map=True).read()
             pq.write_table(
@@ -114,9 +120,10 @@ def run_side(side: str, directory: Path, shards: int) -> dict:
                 **contracts.WRITER_OPTIONS,
             )
             wall += time.perf_counter() - t0
+            cpu += time.process_time() - c0
             del output
     else:
-        rules = validate.Rules(vocab_size=VOCAB, stop_ids=(2,), think_end_id=5)
+        rules = validate.Rules(vocab_size=vocab, stop_ids=(2,), think_end_id=5)
         fp = keys.generation_fingerprint(GEN_CFG)
         for s in range(shards):
             merge.merge_shard(
@@ -128,12 +135,46 @@ def run_side(side: str, directory: Path, shards: int) -> dict:
                 fp,
                 "bench",
                 f"{s:03d}",
+                counts_out=None if side == "merge-counts" else out / f"counts{s:03d}.parquet",
             )
             if side == "merge+jsonl":
                 export.export_jsonl(out / f"{s:03d}.parquet", out / f"{s:03d}.jsonl")
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    return {"side": side, "wall_s": wall, "peak_rss_mb": rss_mb}
+    return {"side": side, "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": rss_mb}
+
+
+def counting_cost(directory: Path, shards: int, vocab: int, repeat: int) -> None:
+    """Merge with and without the token counts, alternating in one process: on a busy machine
+    the minimum of paired runs shows what counting costs when the side-by-side ratio cannot."""
+    rules = validate.Rules(vocab_size=vocab, stop_ids=(2,), think_end_id=5)
+    fp = keys.generation_fingerprint(GEN_CFG)
+    pa.array([0]).to_numpy()
+    times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for _ in range(repeat):
+        for counts in (True, False):
+            t0, c0 = time.perf_counter(), time.process_time()
+            for s in range(shards):
+                merge.merge_shard(
+                    directory / f"tok{s:03d}.parquet",
+                    directory / f"gen{s:03d}.parquet",
+                    directory / f"out{s:03d}.parquet",
+                    directory / f"rej{s:03d}.parquet",
+                    rules,
+                    fp,
+                    "bench",
+                    f"{s:03d}",
+                    counts_out=directory / f"counts{s:03d}.parquet" if counts else None,
+                )
+            times[counts].append((time.perf_counter() - t0, time.process_time() - c0))
+    for counts, runs in times.items():
+        wall, cpu = sorted(r[0] for r in runs), sorted(r[1] for r in runs)
+        print(
+            f"merge {'with' if counts else 'without':<7} counts: wall min {wall[0]:.3f} s, "
+            f"median {np.median(wall):.3f} s; CPU min {cpu[0]:.3f} s, median {np.median(cpu):.3f} s"
+        )
+    extra = min(r[1] for r in times[True]) / min(r[1] for r in times[False]) - 1
+    print(f"counting adds {extra:+.1%} CPU (minimum of {repeat} paired runs)")
 
 
 def main() -> int:
@@ -141,41 +182,56 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=100_000)
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3, help="runs per side; medians printed")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size of the ids")
+    parser.add_argument(
+        "--counting-cost",
+        action="store_true",
+        help="only: merge with and without the token counts, --repeat paired runs in one process",
+    )
     parser.add_argument("--side")
     parser.add_argument("--dir")
     args = parser.parse_args()
     if args.side:  # child process
-        print(json.dumps(run_side(args.side, Path(args.dir), args.shards)))
+        print(json.dumps(run_side(args.side, Path(args.dir), args.shards, args.vocab)))
         return 0
     with tempfile.TemporaryDirectory(prefix="bench_merge.") as tmp:
         d = Path(tmp)
         t0 = time.perf_counter()
-        tokens = build(d, args.samples, args.shards)
+        tokens = build(d, args.samples, args.shards, args.vocab)
+        if args.counting_cost:
+            counting_cost(d, args.shards, args.vocab, args.repeat)
+            return 0
         samples = args.samples // args.shards * args.shards
         print(
             f"input: {samples:,} samples in {args.shards} shards, {tokens:,} tokens "
-            f"(prompt 16-111, output 16-111 tokens each; built in {time.perf_counter() - t0:.1f}s)"
+            f"(prompt 16-111, output 16-111 tokens each, vocabulary {args.vocab:,}; built in "
+            f"{time.perf_counter() - t0:.1f}s)"
         )
         in_mem = tokens * 4 / 2**20
         print(
             f"tokens in memory as int32: whole dataset {in_mem:.0f} MiB, "
             f"one shard {in_mem / args.shards:.0f} MiB"
         )
-        runs: dict[str, list[dict]] = {"floor": [], "merge": [], "merge+jsonl": []}
+        runs: dict[str, list[dict]] = {
+            "floor": [],
+            "merge": [],
+            "merge+jsonl": [],
+            "merge-counts": [],
+        }
         for _ in range(args.repeat):
             # merge first: the floor writes the output merge wrote
-            for side in ("merge", "floor", "merge+jsonl"):
+            for side in ("merge", "floor", "merge+jsonl", "merge-counts"):
                 cmd = [sys.executable, __file__, "--side", side, "--dir", tmp]
-                cmd += ["--shards", str(args.shards)]
+                cmd += ["--shards", str(args.shards), "--vocab", str(args.vocab)]
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
                 runs[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
         res = {
             side: {
                 "wall_s": float(np.median([r["wall_s"] for r in rs])),
+                "cpu_s": float(np.median([r["cpu_s"] for r in rs])),
                 "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
             }
-            for side, rs in (("floor", runs["floor"]), ("merge", runs["merge"]),
-                             ("merge+jsonl", runs["merge+jsonl"]))
+            for side, rs in runs.items()
         }  # fmt: skip
         floor = res["floor"]["wall_s"]
         ratios = [
@@ -185,16 +241,21 @@ def main() -> int:
               + ", ".join(f"{r:.2f}x" for r in ratios))  # fmt: skip
         print(
             f"{'side':<12} {'wall s':>8} {'samples/s':>11} {'tokens/s':>12} {'x floor':>8} "
-            f"{'peak RSS MiB':>13}"
+            f"{'CPU s':>7} {'CPU x floor':>12} {'peak RSS MiB':>13}"
         )
         for side, r in res.items():
             print(
                 f"{side:<12} {r['wall_s']:>8.2f} {samples / r['wall_s']:>11,.0f} "
                 f"{tokens / r['wall_s']:>12,.0f} {r['wall_s'] / floor:>8.2f} "
+                f"{r['cpu_s']:>7.2f} {r['cpu_s'] / res['floor']['cpu_s']:>12.2f} "
                 f"{r['peak_rss_mb']:>13.0f}"
             )
         ratio = res["merge"]["wall_s"] / floor
-        print(f"merge / floor = {ratio:.2f}x (target <= 2x): {'OK' if ratio <= 2 else 'ABOVE'}")
+        cpu_ratio = res["merge"]["cpu_s"] / res["floor"]["cpu_s"]
+        print(
+            f"merge / floor = {ratio:.2f}x (target <= 2x): {'OK' if ratio <= 2 else 'ABOVE'}; "
+            f"in CPU seconds {cpu_ratio:.2f}x"
+        )
     return 0
 
 

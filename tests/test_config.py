@@ -82,6 +82,31 @@ CASES = {
         "categories.code.format_options.system",
         "both read column 'q'",
     ),
+    "draft vocab size zero": (
+        lambda c: c["dataset"].update(draft_vocab_size=0),
+        "dataset.draft_vocab_size",
+        "less than the minimum of 1",
+    ),
+    "draft vocab weight of no category": (
+        lambda c: c["dataset"].update(draft_vocab_weights={"chat": 2, "cod": 1}),
+        "dataset.draft_vocab_weights.cod",
+        "'cod' is not a category",
+    ),
+    "negative draft vocab weight": (
+        lambda c: c["dataset"].update(draft_vocab_weights={"chat": -1}),
+        "dataset.draft_vocab_weights.chat",
+        "less than the minimum of 0",
+    ),
+    "draft vocab larger than its target": (
+        lambda c: c["dataset"].update(draft_vocab_size=800, draft_vocab_target_size=720),
+        "dataset.draft_vocab_size",
+        "larger than dataset.draft_vocab_target_size 720",
+    ),
+    "unknown draft vocab format": (
+        lambda c: c["dataset"].update(draft_vocab_formats=["eagle"]),
+        "dataset.draft_vocab_formats.0",
+        "'eagle' is not one of",
+    ),
     "hook without function": (
         lambda c: c["categories"]["chat"].update(format="hook", hook="sample.hooks:nope"),
         "categories.chat.hook",

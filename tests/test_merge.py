@@ -121,7 +121,7 @@ def write_generated(path: Path, rows: list[dict], records_in=None, rejected=0):
     )
 
 
-def run_merge(tmp_path, prompts, gens, gen_rejected=None, jsonl=False, **rule_over):
+def run_merge(tmp_path, prompts, gens, gen_rejected=None, jsonl=False, counts=False, **rule_over):
     tok, gen = tmp_path / "tok.parquet", tmp_path / "gen.parquet"
     write_tokenized(tok, prompts)
     write_generated(gen, gens)
@@ -144,6 +144,7 @@ def run_merge(tmp_path, prompts, gens, gen_rejected=None, jsonl=False, **rule_ov
         "chat",
         "000",
         generate_rejected=gr,
+        counts_out=tmp_path / "token_counts" / "000.parquet" if counts else None,
     )
     if jsonl:
         (tmp_path / "export").mkdir(exist_ok=True)
@@ -247,9 +248,59 @@ def test_no_think_end_and_truncated_allowed(tmp_path):
 def test_conservation_failure_names_counts(tmp_path):
     prompts = {"a": [5], "b": [6]}
     # "a" is both generated and listed as rejected by generate: counted twice.
+    gens = [gen_row("a", [5], [2]), gen_row("b", [6], [2])]
     with pytest.raises(merge.ConservationError, match=r"tokenized=2 .*generate_rejected=1"):
-        run_merge(tmp_path, prompts, [gen_row("a", [5], [2]), gen_row("b", [6], [2])], ["a"])
+        run_merge(tmp_path, prompts, gens, ["a"], counts=True)
     assert not (tmp_path / "out" / "000.parquet").exists()
+    assert not (tmp_path / "token_counts" / "000.parquet").exists()
+
+
+def python_loss_counts(dataset: Path) -> dict[int, int]:
+    """The plain recount: every id at a loss_mask == 1 position of the merged rows."""
+    t = pq.read_table(dataset, columns=["input_ids", "loss_mask"])
+    counts: dict[int, int] = {}
+    for ids, mask in zip(t["input_ids"].to_pylist(), t["loss_mask"].to_pylist(), strict=True):
+        for tok, m in zip(ids, mask, strict=True):
+            if m == 1:
+                counts[tok] = counts.get(tok, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("batch_rows", [merge.BATCH_ROWS, 7])
+def test_counts_in_the_merge_pass_equal_a_python_recount(tmp_path, monkeypatch, batch_rows):
+    from tokenmill.dataset import draft_vocab
+
+    monkeypatch.setattr(merge, "BATCH_ROWS", batch_rows)
+    monkeypatch.setattr(contracts, "ROW_GROUP_SIZE", 5)
+    rng = np.random.default_rng(3)
+    prompts = {f"p{i:03d}": rng.integers(5, 19, rng.integers(1, 6)).tolist() for i in range(60)}
+    gens = [
+        gen_row(p, ids, rng.integers(5, 19, rng.integers(0, 6)).tolist() + [2])
+        for p, ids in prompts.items()
+    ]
+    # Rejected rows count nothing: id 19 appears only in a truncated output and in prompts.
+    gens[4]["output_ids"], gens[4]["finish_type"] = [19, 19], "length"
+    gens[4]["finish_matched_id"] = None
+    gens[9]["output_ids"] = [7, 99, 2]  # token_out_of_range
+    prompts["p010"] = [19, 19, 5]
+    gens[10] = gen_row("p010", prompts["p010"], [6, 2])
+    rng.shuffle(gens)
+    res, out, _ = run_merge(tmp_path, prompts, gens, counts=True)
+    assert res.kept == 58
+    path = tmp_path / "token_counts" / "000.parquet"
+    counts = draft_vocab.read_counts(path)
+    assert counts.size == len(VOCAB)  # the tokenizer's vocabulary, from the rules
+    recount = python_loss_counts(out)
+    assert {int(i): int(counts[i]) for i in np.flatnonzero(counts)} == recount
+    assert counts[19] == 0 and counts[2] == 58  # every kept row ends with its stop token
+    total_out = pq.read_table(out, columns=["num_output_tokens"]).column(0).to_numpy().sum()
+    assert counts.sum() == total_out  # loss tokens are exactly the output tokens
+    np.testing.assert_array_equal(counts, draft_vocab.count_dataset(out, len(VOCAB))[0])
+    meta = contracts.read_metadata(path)
+    assert meta["tokenmill.stage"] == "token_counts"
+    assert (meta["tokenmill.counts_scope"], meta["tokenmill.category"]) == ("shard", "chat")
+    assert (meta["tokenmill.shard"], meta["tokenmill.rows"]) == ("000", "58")
+    assert draft_vocab.find_counts([str(tmp_path / "token_counts")]) == [path]
 
 
 def test_jsonl_export_and_loaders(tmp_path):

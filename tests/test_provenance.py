@@ -103,6 +103,15 @@ def test_provenance_contents_and_secret_scrubbing(tmp_path, monkeypatch):
     assert chat_meta["meta"]["argv"] == ["sglang", "--api-key", "<redacted>", "--port", "1"]
     assert chat_meta["meta"]["server_info"]["api_key"] == "<redacted>"
     assert len(m["generated_samples"]["generated/chat/000.parquet"]) == 2
+    # The draft vocabulary and the token counts: listed like every output, and summarized.
+    listed = {e["path"] for e in m["outputs"]}
+    assert {"dataset/vocab_mapping/d2t.npy", "dataset/vocab_mapping/t2d.npy"} <= listed
+    assert {"token_counts/chat/000.parquet", "token_counts/_all.parquet"} <= listed
+    mapping = json.loads((r / "dataset/vocab_mapping/vocab_mapping.json").read_text())
+    assert m["draft_vocab"] == mapping and m["draft_vocab"]["draft_size"] == 3
+    assert m["token_counts"]["token_counts/_all.parquet"] == 9
+    assert m["token_counts"]["token_counts/chat.parquet"] == 6
+    assert len(m["token_counts"]) == 3 + 2 + 1  # 3 shards, 2 categories, overall
 
 
 def test_verify_pass_and_tamper(tmp_path, monkeypatch, capsys):
@@ -126,6 +135,14 @@ def test_verify_pass_and_tamper(tmp_path, monkeypatch, capsys):
     (r / "dataset" / "code" / "000.parquet").write_bytes(b"short")
     assert verify.main([str(out), str(r)]) == 1
     assert "size differs: dataset/code/000.parquet" in capsys.readouterr().out
+    # The draft vocabulary and a token-counts file: a changed mapping or count is named.
+    d2t = r / "dataset" / "vocab_mapping" / "d2t.npy"
+    d2t.write_bytes(d2t.read_bytes()[:-1] + bytes([d2t.read_bytes()[-1] ^ 1]))
+    (r / "token_counts" / "code" / "000.parquet").unlink()
+    assert verify.main([str(out), str(r)]) == 1
+    text = capsys.readouterr().out
+    assert "sha256 differs: dataset/vocab_mapping/d2t.npy" in text
+    assert "missing: token_counts/code/000.parquet" in text
 
 
 def test_check_reproducible(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from test_merge import (
 )
 
 from tokenmill import contracts
-from tokenmill.dataset import card, export, merge, stats
+from tokenmill.dataset import card, draft_vocab, export, merge, stats
 
 CONFIG = {
     "results_dir": "results",
@@ -28,7 +28,7 @@ CONFIG = {
         "code": {"sources": ["data/code.jsonl"], "format": "instruction", "shards": 1},
     },
     "generation": GEN_CFG,
-    "dataset": {"max_sequence_tokens": 12, "think_end_token": "</think>"},
+    "dataset": {"max_sequence_tokens": 12, "think_end_token": "</think>", "draft_vocab_size": 3},
 }
 
 
@@ -105,11 +105,35 @@ def build_results(root: Path) -> Path:
             cat,
             shard,
             generate_rejected=grej,
+            counts_out=r / "token_counts" / cat / f"{shard}.parquet",
         )
         (r / "export" / cat).mkdir(parents=True, exist_ok=True)
         export.export_jsonl(
             r / "dataset" / cat / f"{shard}.parquet", r / "export" / cat / f"{shard}.jsonl"
         )
+    # What the sum rules and the draft_vocab rule add (the .pt left out: no torch needed).
+    counts = r / "token_counts"
+    for cat in ("chat", "code"):
+        out = counts / f"{cat}.parquet"
+        assert (
+            draft_vocab.main(
+                ["sum", "--category", cat, "--counts", str(counts / cat)] + ["--out", str(out)]
+            )
+            == 0
+        )
+    sums = [str(counts / "chat.parquet"), str(counts / "code.parquet")]
+    assert (
+        draft_vocab.main(["sum", "--all", "--counts", *sums, "--out", str(counts / "_all.parquet")])
+        == 0
+    )
+    draft_vocab.write_mapping(
+        r / "dataset" / "vocab_mapping",
+        draft_vocab.sum_counts(sums),
+        3,
+        [2],
+        24,
+        ["speculators"],
+    )
     return r
 
 
@@ -179,6 +203,21 @@ def test_stats_known_numbers(tmp_path):
     assert "| chat | merge | 3 | 2 | 1 | truncated: 1 |" in md
     for name in stats.PLOT_FILES:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Token coverage: chat's loss tokens are a's output 8 4 9 2 and b's 4 2 (c was truncated).
+    assert set(s["categories"]) == {"chat", "code"}  # dataset/vocab_mapping is no category
+    cov = chat["token_coverage"]
+    assert (cov["loss_tokens"], cov["distinct_ids"], cov["vocab_size"]) == (6, 4, 20)
+    assert cov["top_n"][0] == {"n": 3, "ids": 3, "capped": False, "share": 0.833333, "draft": True}
+    assert cov["top_n"][1] == {"n": 8192, "ids": 20, "capped": True, "share": 1.0}
+    assert cov["ids_for_share"] == {"0.9": 4, "0.95": 4, "0.99": 4, "0.999": 4}
+    allcov = o["token_coverage"]
+    assert (allcov["loss_tokens"], allcov["distinct_ids"]) == (9, 5)  # + code's 4 10 2
+    assert allcov["top_n"][0]["share"] == round(7 / 9, 6)  # 4 and 2 (3 each), then 8 (1)
+    assert "## Token coverage (loss-masked tokens)" in md
+    assert "| top 3 (draft) | top 8,192 (all 20) |" in md
+    assert "| chat | 6 | 4 | 83.33% | 100.00% |" in md
+    assert "| **all** | 9 | 5 | 77.78% |" in md
+    assert (out / stats.COVERAGE_PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_stats_conservation_mismatch_exits_nonzero(tmp_path, capsys):
@@ -244,6 +283,12 @@ def test_card_loads_with_datasets(tmp_path):
     assert code["input_ids"] == [[5, 4, 10, 2]]
     everything = datasets.load_dataset(str(r / "dataset"), split="train", cache_dir=cache)
     assert len(everything) == 3
+    # The draft vocabulary beside the category folders is no config, and the card says what it is.
+    assert (r / "dataset" / "vocab_mapping" / "d2t.npy").is_file()
+    assert "config_name: vocab_mapping" not in text
+    assert "## Draft vocabulary" in text and "`vocab_mapping/d2t.npy`" in text
+    # A mapping left from an earlier config with a draft size is not described as this one's.
+    assert "## Draft vocabulary" not in card.render(r, dict(CONFIG, dataset={}), None)
     assert pq.read_table(r / "dataset" / "code" / "000.parquet").num_rows == 1
 
 

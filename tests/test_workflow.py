@@ -10,7 +10,10 @@ engine in managed mode, then the incremental-rebuild promises:
   the journal's location, the config file's name) reruns nothing, and changing a key that
   shapes the tokens reruns generate and merge of every shard, and nothing upstream;
 - a controller killed with SIGKILL leaves Snakemake's lock: the next start fails and says how
-  to unlock; a config with absolute paths for everything runs to the end (provenance included).
+  to unlock; a config with absolute paths for everything runs to the end (provenance included).;
+- merge counts the loss tokens for the draft vocabulary: per-shard counts equal a plain
+  recount of the merged rows, the d2t/t2d mapping round-trips, and an edited shard changes only
+  its own counts file (and the sums above it).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -160,6 +164,92 @@ def test_full_pipeline_outputs(finished_run):
     # (a completed shard's journal is compacted into {shard}.parquet)
     assert any((finished_run / "journal").rglob("*.parquet"))
     assert not (results / "journal").exists()
+    for name in ("d2t.npy", "t2d.npy", "vocab_mapping.pt", "vocab_mapping.json"):
+        assert (results / "dataset" / "vocab_mapping" / name).exists(), name
+
+
+def python_loss_counts(dataset: Path) -> dict[int, int]:
+    """A plain recount: every id at a loss_mask == 1 position of a merged shard."""
+    t = pq.read_table(dataset, columns=["input_ids", "loss_mask"])
+    counts: dict[int, int] = {}
+    for ids, mask in zip(t["input_ids"].to_pylist(), t["loss_mask"].to_pylist(), strict=True):
+        for tok, m in zip(ids, mask, strict=True):
+            if m == 1:
+                counts[tok] = counts.get(tok, 0) + 1
+    return counts
+
+
+def check_counts_match_the_dataset(results: Path) -> dict[int, int]:
+    """Every shard's counts file equals a recount of its dataset shard, each category sum the
+    sum of its shards, _all.parquet the sum of all; returns the overall counts."""
+    from tokenmill.dataset import draft_vocab as dv
+
+    overall: dict[int, int] = {}
+    shards = sorted((results / "dataset").glob("*/*.parquet"))
+    assert shards
+    for category in sorted({p.parent.name for p in shards}):
+        per_category: dict[int, int] = {}
+        for shard in (p for p in shards if p.parent.name == category):
+            counts = dv.read_counts(results / "token_counts" / category / shard.name)
+            got = {int(i): int(counts[i]) for i in np.flatnonzero(counts)}
+            assert got == python_loss_counts(shard), shard
+            for k, v in got.items():
+                per_category[k] = per_category.get(k, 0) + v
+        total = dv.read_counts(results / "token_counts" / f"{category}.parquet")
+        assert {int(i): int(total[i]) for i in np.flatnonzero(total)} == per_category
+        for k, v in per_category.items():
+            overall[k] = overall.get(k, 0) + v
+    total = dv.read_counts(results / "token_counts" / "_all.parquet")
+    assert {int(i): int(total[i]) for i in np.flatnonzero(total)} == overall
+    return overall
+
+
+def test_token_counts_draft_vocab_and_coverage(finished_run, tmp_path):
+    results = finished_run / "results"
+    config = yaml.safe_load((finished_run / "config.yaml").read_text())
+    overall = check_counts_match_the_dataset(results)
+    # The mapping round-trips, and holds the stop token (<|im_end|>, also the eos: id 4).
+    size = config["dataset"]["draft_vocab_size"]
+    target = json.loads((finished_run / "sample/model/config.json").read_text())["vocab_size"]
+    mapping = results / "dataset" / "vocab_mapping"
+    d2t, t2d = np.load(mapping / "d2t.npy"), np.load(mapping / "t2d.npy")
+    assert d2t.dtype == np.int64 and d2t.shape == (size,)
+    assert t2d.dtype == np.bool_ and t2d.shape == (target,)
+    assert int(t2d.sum()) == size
+    assert all(t2d[d2t[i] + i] for i in range(size))
+    assert t2d[4]
+    # It is the `size` most frequent loss ids (ties by id): recomputed here from the recount.
+    ranked = sorted(overall, key=lambda t: (-overall[t], t))
+    assert len(ranked) > size, "the demo's draft size should leave some ids out"
+    top = ranked[:size]
+    expected = set(top) if 4 in top else set(ranked[: size - 1]) | {4}
+    assert set(np.flatnonzero(t2d).tolist()) == expected
+    summary = json.loads((mapping / "vocab_mapping.json").read_text())
+    covered = sum(overall[t] for t in expected if t in overall) / sum(overall.values())
+    assert summary["draft_coverage"] == pytest.approx(covered)
+    # Stats: the coverage table per category and overall, and the plot.
+    stats = json.loads((results / "stats/summary.json").read_text())
+    assert set(stats["categories"]) == set(config["categories"])  # vocab_mapping is none
+    cov = stats["overall"]["token_coverage"]
+    assert cov["loss_tokens"] == sum(overall.values()) and cov["distinct_ids"] == len(overall)
+    assert cov["top_n"][0] == {
+        "n": size,
+        "ids": size,
+        "capped": False,
+        "draft": True,
+        "share": round(sum(sorted(overall.values())[::-1][:size]) / sum(overall.values()), 6),
+    }
+    assert "## Token coverage (loss-masked tokens)" in (results / "stats/summary.md").read_text()
+    assert (results / "stats/token_coverage.png").stat().st_size > 1000
+    # The dataset folder still loads by category with the mapping folder beside the categories.
+    import datasets
+
+    chat = datasets.load_dataset(
+        str(results / "dataset"), name="chat", split="train", cache_dir=str(tmp_path / "hf")
+    )
+    assert len(chat) == sum(
+        pq.ParquetFile(p).metadata.num_rows for p in (results / "dataset/chat").glob("*.parquet")
+    )
 
 
 def test_second_run_does_nothing(finished_run):
@@ -184,6 +274,7 @@ def _prompt_ids(results: Path, category: str) -> set[str]:
 def test_editing_one_prompt_reruns_one_shard(finished_run):
     results = finished_run / "results"
     before = digests(results, "*/*/*.parquet") | digests(results, "prompts/*.parquet")
+    sums_before = digests(results, "token_counts/*.parquet")
     ids_before = _prompt_ids(results, "code")
 
     _edit_one_code_prompt(finished_run)
@@ -216,6 +307,9 @@ def test_editing_one_prompt_reruns_one_shard(finished_run):
         for shard in shards
     }
     assert per_shard == expected, per_shard
+    # The counts are summed again for the edited category only, then overall.
+    sums = {wc for rule, wc in ran if rule == "sum_token_counts"}
+    assert sums == {"category=code"}, sums
 
     # The engine received exactly one request: the edited prompt.
     requested = sum(
@@ -228,11 +322,21 @@ def test_editing_one_prompt_reruns_one_shard(finished_run):
 
     after = digests(results, "*/*/*.parquet") | digests(results, "prompts/*.parquet")
     changed = {path for path in before if before[path] != after.get(path)}
-    assert changed == {"prompts/code.parquet"} | {
+    # The edited shard's counts file may change (it does unless the new answer holds the same
+    # tokens as the old); no other counts file does.
+    counts_changed = {p for p in changed if p.startswith("token_counts/")}
+    assert counts_changed <= {f"token_counts/code/{shard}.parquet" for shard in shards}
+    assert changed - counts_changed == {"prompts/code.parquet"} | {
         f"{stage}/code/{shard}.parquet"
         for stage in ("tokenized", "generated", "dataset")
         for shard in shards
     }, changed
+    sums_after = digests(results, "token_counts/*.parquet")
+    assert {p for p in sums_before if sums_before[p] != sums_after[p]} <= {
+        "token_counts/code.parquet",
+        "token_counts/_all.parquet",
+    }
+    check_counts_match_the_dataset(results)  # the recounted shard is right, the others too
 
 
 def test_changing_the_chat_template_kwargs_retokenizes_everything(finished_run, tmp_path):

@@ -85,6 +85,10 @@ def tokenizer_json(wildcards=None):
     return json.dumps(config["tokenizer"], sort_keys=True)
 
 
+def dataset_json(wildcards=None):
+    return json.dumps(config["dataset"], sort_keys=True)
+
+
 def merge_dataset_json(wildcards=None):
     """The dataset section as merge reads it (export_jsonl is the export rule's business)."""
     return json.dumps(merge_dataset_config(config["dataset"]), sort_keys=True)
@@ -121,8 +125,43 @@ def all_shard_files(pattern):
     ]
 
 
+def category_counts_files(wildcards):
+    """The shard counts files of one category (merge writes them)."""
+    return [
+        res(f"token_counts/{wildcards.category}/{s}.parquet")
+        for s in shards_of(wildcards.category)
+    ]
+
+
+def category_counts_sums():
+    return [res(f"token_counts/{c}.parquet") for c in CATEGORIES]
+
+
+def draft_vocab_files():
+    """The trainers' files of the draft vocabulary, by dataset.draft_vocab_formats."""
+    from tokenmill.dataset import draft_vocab as dv
+
+    formats = config["dataset"]["draft_vocab_formats"]
+    return [
+        res(f"dataset/{dv.MAPPING_DIR}/{n}")
+        for f in formats
+        for n in dv.FORMAT_FILES[f]
+    ]
+
+
+def draft_vocab_summary():
+    """[vocab_mapping.json] when dataset.draft_vocab_size is set, else []."""
+    if config["dataset"]["draft_vocab_size"] is None:
+        return []
+    return [res("dataset/vocab_mapping/vocab_mapping.json")]
+
+
 def final_outputs():
     outputs = all_shard_files("dataset/{category}/{shard}.parquet")
+    outputs += all_shard_files("token_counts/{category}/{shard}.parquet")
+    outputs += category_counts_sums() + [res("token_counts/_all.parquet")]
+    if config["dataset"]["draft_vocab_size"] is not None:
+        outputs += draft_vocab_summary() + draft_vocab_files()
     if config["dataset"]["export_jsonl"]:
         outputs += all_shard_files("export/{category}/{shard}.jsonl")
     outputs += [

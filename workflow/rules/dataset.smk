@@ -6,6 +6,8 @@ rule merge_shard:
     output:
         dataset=res("dataset/{category}/{shard}.parquet"),
         rejected=res("rejected/merge/{category}/{shard}.parquet"),
+        # loss-token counts of the shard, from the same pass (the draft vocabulary's input)
+        counts=res("token_counts/{category}/{shard}.parquet"),
     log:
         res("logs/merge/{category}/{shard}.log"),
     benchmark:
@@ -23,6 +25,7 @@ rule merge_shard:
         " --tokenized {input.tokenized:q} --generated {input.generated:q}"
         " --generate-rejected {input.generate_rejected:q}"
         " --out {output.dataset:q} --rejected {output.rejected:q}"
+        " --counts-out {output.counts:q}"
         ' --dataset-config {params.dataset:q} --generation-config "$TOKENMILL_GENERATION_JSON"'
         " --tokenizer-config {params.tokenizer:q} > {log:q} 2>&1"
 
@@ -40,11 +43,65 @@ rule export_jsonl:
         "tokenmill export-jsonl --dataset {input.dataset:q} --out {output.jsonl:q} > {log:q} 2>&1"
 
 
+rule sum_token_counts:
+    input:
+        counts=category_counts_files,
+    output:
+        counts=res("token_counts/{category}.parquet"),
+    log:
+        res("logs/token_counts/{category}.log"),
+    conda:
+        "../../envs/tokenmill.yaml"
+    shell:
+        "tokenmill draft-vocab sum --category {wildcards.category:q} --counts {input.counts:q}"
+        " --out {output.counts:q} > {log:q} 2>&1"
+
+
+rule sum_all_token_counts:
+    input:
+        counts=category_counts_sums(),
+    output:
+        counts=res("token_counts/_all.parquet"),
+    log:
+        res("logs/token_counts/_all.log"),
+    conda:
+        "../../envs/tokenmill.yaml"
+    shell:
+        "tokenmill draft-vocab sum --all --counts {input.counts:q} --out {output.counts:q}"
+        " > {log:q} 2>&1"
+
+
+# The EAGLE-3 draft vocabulary (d2t/t2d) when dataset.draft_vocab_size is set: beside the
+# dataset's category folders, with no Parquet in it (the card's configs read */*.parquet).
+rule draft_vocab:
+    input:
+        counts=category_counts_sums(),
+    output:
+        summary=res("dataset/vocab_mapping/vocab_mapping.json"),
+        files=draft_vocab_files(),
+    log:
+        res("logs/draft_vocab.log"),
+    conda:
+        "../../envs/tokenmill.yaml"
+    # The stop tokens and the model (the always-included ids, the target vocabulary) are in the
+    # generation fingerprint; the section itself comes from the environment (see common.smk).
+    params:
+        dataset=dataset_json,
+        generation_fingerprint=GENERATION_FINGERPRINT,
+        tokenizer=tokenizer_json,
+    shell:
+        "tokenmill draft-vocab from-config --counts {input.counts:q}"
+        ' --dataset-config {params.dataset:q} --generation-config "$TOKENMILL_GENERATION_JSON"'
+        " --tokenizer-config {params.tokenizer:q} --out-dir $(dirname {output.summary:q})"
+        " > {log:q} 2>&1"
+
+
 rule summarize_stats:
     input:
         dataset=all_shard_files("dataset/{category}/{shard}.parquet"),
         meta=all_shard_files("generated/{category}/{shard}.meta.json"),
         merge_rejected=all_shard_files("rejected/merge/{category}/{shard}.parquet"),
+        token_counts=category_counts_sums() + [res("token_counts/_all.parquet")],
     output:
         summary=report(
             res("stats/summary.json"),
@@ -60,6 +117,11 @@ rule summarize_stats:
             expand(res("stats/length_{metric}_tokens.png"), metric=LENGTH_METRICS),
             caption="../report/plots.rst",
             category="Length distributions",
+        ),
+        coverage=report(
+            res("stats/token_coverage.png"),
+            caption="../report/token_coverage.rst",
+            category="Token frequencies",
         ),
     log:
         res("logs/stats.log"),
@@ -79,6 +141,7 @@ rule write_dataset_card:
     input:
         stats=res("stats/summary.json"),
         dataset=all_shard_files("dataset/{category}/{shard}.parquet"),
+        vocab_mapping=draft_vocab_summary(),
     output:
         card=res("dataset/README.md"),
     log:
@@ -127,3 +190,9 @@ rule compare_with_manifest:
     shell:
         "tokenmill provenance --compare {params.manifest:q} --results-dir {params.results:q}"
         " --report-only --out {output.report:q} > {log:q} 2>&1"
+
+
+localrules:
+    sum_token_counts,
+    sum_all_token_counts,
+    draft_vocab,

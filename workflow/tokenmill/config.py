@@ -118,6 +118,17 @@ def check_semantics(config: dict, basedir: str | Path = ".") -> None:
                     load_hook(hook, base)
                 except Exception as exc:  # noqa: BLE001 - reported with the key
                     problems.append(f"config key 'categories.{name}.hook': {exc}")
+    ds = config.get("dataset", {})
+    for cat in sorted(set(ds.get("draft_vocab_weights") or {}) - set(config["categories"])):
+        problems.append(
+            f"config key 'dataset.draft_vocab_weights.{cat}': {cat!r} is not a category"
+        )
+    size, target = ds.get("draft_vocab_size"), ds.get("draft_vocab_target_size")
+    if size is not None and target is not None and size > target:
+        problems.append(
+            f"config key 'dataset.draft_vocab_size': {size} is larger than "
+            f"dataset.draft_vocab_target_size {target}"
+        )
     gen = config.get("generation", {})
     if gen:
         if "model" not in gen:
@@ -196,8 +207,11 @@ def outputs_config(config: dict) -> dict:
 
 
 def merge_dataset_config(dataset: dict) -> dict:
-    """The dataset section as merge uses it: export_jsonl only adds the export jobs."""
-    return {k: v for k, v in dataset.items() if k != "export_jsonl"}
+    """The dataset section as merge uses it: export_jsonl only adds the export jobs, and the
+    draft_vocab_* keys only shape the draft vocabulary (merge counts every loss token anyway)."""
+    return {
+        k: v for k, v in dataset.items() if k != "export_jsonl" and not k.startswith("draft_vocab")
+    }
 
 
 def check_config(config: dict, basedir: str | Path = ".") -> dict:

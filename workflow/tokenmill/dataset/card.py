@@ -108,6 +108,8 @@ def render(results_dir, config: dict, summary: dict | None) -> str:
         "|---|---|---|",
     ]
     lines += [f"| `{n}` | {t} | {d} |" for n, t, d in COLUMNS]
+    if (config.get("dataset") or {}).get("draft_vocab_size") is not None:
+        lines += _draft_vocab_section(dataset)  # not a stale folder of an earlier config
     if summary:
         lines += ["", "## Statistics", ""]
         lines += [
@@ -142,6 +144,29 @@ def render(results_dir, config: dict, summary: dict | None) -> str:
 
 def _known(value) -> str:
     return "unknown" if value is None else str(value)
+
+
+def _draft_vocab_section(dataset: Path) -> list[str]:
+    """What vocab_mapping/ holds, when the pipeline wrote it (dataset.draft_vocab_size)."""
+    from tokenmill.dataset import draft_vocab
+
+    path = dataset / draft_vocab.MAPPING_DIR / draft_vocab.SUMMARY_JSON
+    if not path.is_file():
+        return []
+    m = json.loads(path.read_text())
+    files = ", ".join(f"`{draft_vocab.MAPPING_DIR}/{f}`" for f in m["files"])
+    return [
+        "",
+        "## Draft vocabulary",
+        "",
+        f"`{draft_vocab.MAPPING_DIR}/` holds the EAGLE-3 draft vocabulary of this dataset: the "
+        f"{m['draft_size']:,} token ids most frequent where `loss_mask` is 1 (out of "
+        f"{m['target_vocab_size']:,}; always in: {m['always_include_ids']}), covering "
+        f"{m['draft_coverage']:.2%} of the {m['loss_tokens']:,} loss tokens. Files: {files} "
+        "(`d2t.npy`/`t2d.npy` for vLLM speculators' `--d2t-path`/`--t2d-path`, "
+        "`vocab_mapping.pt` for SpecForge's `model.vocab_mapping_path`; target id = draft id + "
+        "`d2t[draft id]`).",
+    ]
 
 
 def main(argv: list[str]) -> int:

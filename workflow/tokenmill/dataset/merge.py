@@ -18,6 +18,12 @@ shard). Conservation, checked on every run (the command fails with the counts ot
     tokenized prompts = dataset rows + distinct tokenized prompts rejected by merge
                         + prompts rejected by generate (--generate-rejected)
 
+With `counts_out` (`--counts-out`, the `merge_shard` rule always gives it), the same pass also
+counts the loss-masked tokens of the kept rows (loss_mask = 1 is exactly the output part, so
+one np.bincount per batch over the output ids) and writes them in draft_vocab's counts format
+to results/token_counts/{category}/{shard}.parquet, so an incremental rebuild recounts only the
+shards it re-merges.
+
 File key-value metadata (the counts are added at close; read them with
 contracts.read_metadata): tokenmill.records_in (generated rows + not_generated prompts, i.e.
 everything merge accounts for), records_kept, records_rejected (in = kept + rejected),
@@ -47,7 +53,7 @@ import pyarrow.parquet as pq
 
 from tokenmill import contracts, keys
 from tokenmill.cli import json_arg
-from tokenmill.dataset import validate
+from tokenmill.dataset import draft_vocab, validate
 from tokenmill.dataset.validate import REASONS, Rules
 
 BATCH_ROWS = contracts.ROW_GROUP_SIZE
@@ -179,8 +185,10 @@ def merge_shard(
     category: str,
     shard: str,
     generate_rejected: str | os.PathLike | None = None,
+    counts_out: str | os.PathLike | None = None,
 ) -> MergeResult:
-    """Merge one shard; raises ConservationError when the counts do not add up."""
+    """Merge one shard; raises ConservationError when the counts do not add up. With
+    `counts_out`, also writes the loss-token counts of the kept rows there."""
     res = MergeResult()
     tok = _read_scalar(tokenized, ["prompt_id", "num_prompt_tokens"])
     gen = _read_scalar(generated, ["prompt_id", "sample_key", "finish_type", "finish_matched_id"])
@@ -301,6 +309,8 @@ def merge_shard(
     if contracts.META_TOKENIZER_FINGERPRINT in tok_meta:
         meta[contracts.META_TOKENIZER_FINGERPRINT] = tok_meta[contracts.META_TOKENIZER_FINGERPRINT]
     reason_counts = np.zeros(len(REASONS), dtype=np.int64)
+    # Validation has checked every kept id against [0, vocab_size): bincount needs no check.
+    token_counts = np.zeros(rules.vocab_size if counts_out else 0, dtype=np.int64)
     prompts_col = _RowGroupColumn(tokenized, "prompt_ids", batches_t)
     outputs_col = _RowGroupColumn(generated, "output_ids", batches_g)
     with (
@@ -327,6 +337,8 @@ def merge_shard(
                 keep = pa.array(ok)
                 p_off, p_val = list_parts(p_arr.filter(keep))
                 o_off, o_val = list_parts(o_arr.filter(keep))
+            if counts_out:
+                token_counts += np.bincount(o_val, minlength=rules.vocab_size)
             table = _dataset_batch(p_off, p_val, o_off, o_val, gi[ok], gen_scalars, category, rules)
             if pending is not None:
                 pending.result()
@@ -363,6 +375,8 @@ def merge_shard(
             }
         )
 
+    if counts_out:
+        draft_vocab.write_counts(counts_out, token_counts, res.kept, category=category, shard=shard)
     rejected_rows.sort(key=lambda r: (r["prompt_id"] or "", r["reason"], r["record"] or ""))
     contracts.write_table(
         contracts.rejected_table(rejected_rows),
@@ -414,6 +428,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--generate-rejected", help="results/rejected/generate/{c}/{s}.parquet")
     parser.add_argument("--out", required=True)
     parser.add_argument("--rejected", required=True)
+    parser.add_argument(
+        "--counts-out", help="results/token_counts/{c}/{s}.parquet: loss-token counts of the shard"
+    )
     parser.add_argument("--dataset-config", required=True, help="JSON object or JSON file")
     parser.add_argument("--generation-config", required=True, help="JSON object or JSON file")
     parser.add_argument("--tokenizer-config", required=True, help="JSON object or JSON file")
@@ -438,6 +455,7 @@ def main(argv: list[str]) -> int:
             args.category,
             args.shard,
             generate_rejected=args.generate_rejected,
+            counts_out=args.counts_out,
         )
     except ConservationError as exc:
         print(f"tokenmill merge: {exc}", file=sys.stderr)

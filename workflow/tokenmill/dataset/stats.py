@@ -17,6 +17,9 @@ summary.json (keys sorted; "schema": "tokenmill.stats/1"):
       prefix_cache: samples, samples_reporting, cached_tokens, prompt_tokens, hit_rate
       generation: wall_time_s, generation_time_s, output_tokens, timed_shards, shards,
                   output_tokens_per_s, gpus, gpu_hours, output_tokens_per_gpu_hour
+      token_coverage: loss_tokens, distinct_ids, vocab_size, top_n [{n, ids, capped, share}],
+                  ids_for_share {0.9|0.95|0.99|0.999: ids}   (draft_vocab.coverage_view, from
+                  results/token_counts/{category}.parquet and _all.parquet; absent without them)
     conservation: ok, problems [..]
 
 Unknown is null (JSON) and "unknown" (tables), never a made-up number:
@@ -30,6 +33,8 @@ Unknown is null (JSON) and "unknown" (tables), never a made-up number:
   count as reasoning, not as answer (merge counts them as answer: it looks at the output only).
   The think-open token is dataset.think_start_token, by default think_end_token without "/".
   Outputs without reasoning at all are "without_reasoning".
+
+token_coverage.png: the same coverage as curves (share of loss tokens on the top-N ids).
 
 Counting: kept = rows in the stage's output files, rejected = rows in its rejected files,
 in = the stage's `tokenmill.records_in` metadata (summed over shards; when every tokenized
@@ -60,6 +65,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokenmill import contracts
+from tokenmill.dataset import draft_vocab
 
 STAGES = ("prepare", "tokenize", "generate", "merge")
 METRICS = ("prompt_tokens", "output_tokens", "reasoning_tokens", "answer_tokens", "total_tokens")
@@ -77,6 +83,7 @@ TIMING_SUMS = (
     "timed_shards",
     "shards",
 )
+COVERAGE_PLOT = "token_coverage.png"
 
 
 def _rows(files) -> int:
@@ -426,6 +433,7 @@ def collect(results_dir, config: dict, think: ThinkTokens | None = None) -> tupl
     for stage_dir in ("tokenized", "generated", "dataset"):
         if (results / stage_dir).is_dir():
             names |= {p.name for p in (results / stage_dir).iterdir() if p.is_dir()}
+    names.discard(draft_vocab.MAPPING_DIR)  # results/dataset/vocab_mapping is no category
     if (results / "prompts").is_dir():
         names |= {p.stem for p in (results / "prompts").glob("*.parquet")}
     gpus = gpus_of(config)
@@ -436,6 +444,7 @@ def collect(results_dir, config: dict, think: ThinkTokens | None = None) -> tupl
             timings[k] = timings.get(k, 0) + v
     problems = conservation(cats)
     overall = _overall(cats, raws, timings, gpus)
+    _token_coverage(results, cats, overall, config)
     summary = {
         "schema": "tokenmill.stats/1",
         "categories": cats,
@@ -490,6 +499,115 @@ def _fmt(v, none: str = "") -> str:
 def _known(v) -> str:
     """A figure the engine or the run may not tell: "unknown" rather than a made-up 0."""
     return _fmt(v, "unknown")
+
+
+def _coverage_counts(results: Path, names) -> dict:
+    """{category or "all": dense counts} of the count sums that exist."""
+    out = {}
+    for name in names:
+        path = results / draft_vocab.COUNTS_DIR / f"{name}.parquet"
+        if path.is_file():
+            out[name] = draft_vocab.read_counts(path)
+    return out
+
+
+def _token_coverage(results: Path, cats: dict, overall: dict, config: dict) -> None:
+    draft_size = (config.get("dataset") or {}).get("draft_vocab_size")
+    found = _coverage_counts(results, [*cats, draft_vocab.ALL_COUNTS])
+    for name, counts in found.items():
+        scope = overall if name == draft_vocab.ALL_COUNTS else cats[name]
+        scope["token_coverage"] = draft_vocab.coverage_view(counts, draft_size)
+
+
+def coverage_markdown(summary: dict) -> list[str]:
+    """The token-coverage table (empty without counts)."""
+    scopes = list(summary["categories"].items()) + [("**all**", summary["overall"])]
+    scopes = [(c, s["token_coverage"]) for c, s in scopes if "token_coverage" in s]
+    if not scopes:
+        return []
+    ref = scopes[-1][1]
+    head = []
+    for row in ref["top_n"]:
+        label = f"top {row['n']:,}" + (" (draft)" if row.get("draft") else "")
+        head.append(label + (f" (all {row['ids']:,})" if row["capped"] else ""))
+    shares = list(ref["ids_for_share"])
+    out = ["", "## Token coverage (loss-masked tokens)", ""]
+    out += [
+        "Share of the tokens the drafter is trained on (loss_mask = 1) that fall on the N most "
+        "frequent token ids, i.e. what a draft vocabulary of N ids covers, and the fewest ids "
+        f"that cover a share. The vocabulary has {ref['vocab_size']:,} ids; an N above it "
+        "takes them all.",
+        "",
+        "| category | loss tokens | distinct ids | "
+        + " | ".join(head)
+        + " | "
+        + " | ".join(f"ids for {float(x):.1%}" for x in shares)
+        + " |",
+        "|---|---:|---:|" + "---:|" * (len(head) + len(shares)),
+    ]
+    for cat, cov in scopes:
+        cells = [f"{r['share']:.2%}" for r in cov["top_n"]]
+        cells += [_fmt(cov["ids_for_share"][x]) for x in shares]
+        out.append(
+            f"| {cat} | {_fmt(cov['loss_tokens'])} | {_fmt(cov['distinct_ids'])} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return out
+
+
+def coverage_plot(results_dir, summary: dict, out_dir: Path) -> Path:
+    """token_coverage.png: share of loss tokens on the top-N ids, one curve per category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = Path(results_dir)
+    found = _coverage_counts(results, [*summary["categories"], draft_vocab.ALL_COUNTS])
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    if found:
+        vocab = 1
+        for name, counts in found.items():
+            total = counts.sum()
+            if not total:
+                continue
+            cum = np.cumsum(np.sort(counts)[::-1]) / total
+            seen = max(int(np.count_nonzero(counts)), 1)
+            x = np.arange(1, seen + 1)
+            is_all = name == draft_vocab.ALL_COUNTS
+            ax.plot(
+                x,
+                cum[:seen],
+                color="black" if is_all else None,
+                linewidth=2 if is_all else 1,
+                label=f"all ({int(total):,} tokens)" if is_all else f"{name} ({int(total):,})",
+            )
+            vocab = max(vocab, counts.size)
+        cov = summary["overall"].get("token_coverage") or {}
+        for row in cov.get("top_n", []):
+            if row["capped"]:
+                continue
+            ax.axvline(
+                row["n"],
+                color="red" if row.get("draft") else "grey",
+                linestyle="--",
+                linewidth=0.8,
+            )
+        ax.set_xscale("log")
+        ax.set_xlim(1, vocab)
+        ax.set_ylim(0, 1.01)
+        ax.legend(fontsize=8, loc="lower right")
+    else:
+        ax.text(0.5, 0.5, "no token counts", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("top-N token ids (log scale; dashed: 8k-64k, red: the draft vocabulary size)")
+    ax.set_ylabel("share of loss-masked tokens")
+    ax.set_title("Coverage of the loss-masked tokens by the most frequent ids")
+    fig.tight_layout()
+    path = out_dir / COVERAGE_PLOT
+    fig.savefig(path, metadata={"Software": None})
+    plt.close(fig)
+    return path
 
 
 def markdown(summary: dict) -> str:
@@ -547,6 +665,8 @@ def markdown(summary: dict) -> str:
         "--enable-prompt-tokens-details), GPUs that are not the run's own (external servers, "
         "CPU runs), or no shard whose samples were all generated by the job that wrote it.",
     ]
+
+    out += coverage_markdown(summary)
     c = summary["conservation"]
     out += ["", "## Conservation", "", "All counts add up." if c["ok"] else "Counts do NOT add up:"]
     out += [f"- {p}" for p in c["problems"]]
@@ -598,6 +718,7 @@ def main(argv: list[str]) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     (out / "summary.md").write_text(markdown(summary))
     plots(raws, out)
+    coverage_plot(args.results_dir, summary, out)
     if not summary["conservation"]["ok"]:
         print("tokenmill stats: counts do not add up:", file=sys.stderr)
         for p in summary["conservation"]["problems"]:

@@ -25,6 +25,10 @@ Schema "tokenmill.provenance/1" (keys sorted on disk):
     times             start, end (earliest/latest of the meta files; else file mtimes)
     software          python, platform, packages {name: version or null}
     workflow          git_commit, dirty (null when basedir is not a git checkout)
+    draft_vocab       the draft vocabulary's vocab_mapping.json (draft and target sizes,
+                      always-included ids, coverage, sha256 of each file and of each counts
+                      file read), or null when the run built none; token_counts {path:
+                      loss tokens} of every counts file (results/token_counts/)
     outputs           [{path (relative to results), size, sha256, rows (parquet only)}],
                       every file under results except the journal, provenance.json,
                       run logs (logs/, benchmarks/), report.html and hidden files
@@ -59,6 +63,7 @@ import pyarrow.parquet as pq
 
 from tokenmill import contracts, keys
 from tokenmill.contracts import sha256_file
+from tokenmill.dataset import draft_vocab as dv
 from tokenmill.prepare.sources import expand_paths
 from tokenmill.redaction import REDACTED, redact
 
@@ -200,7 +205,8 @@ def output_paths(results: Path, config: dict, out_path: Path | None = None) -> l
     if out_path is not None:
         with contextlib.suppress(ValueError):
             out_rel = str(out_path.resolve().relative_to(results.resolve()))
-    rels = (p.relative_to(results).as_posix() for p in sorted(results.rglob("*")) if p.is_file())
+    # Sorted as strings: token_counts/chat.parquet before token_counts/chat/000.parquet.
+    rels = sorted(p.relative_to(results).as_posix() for p in results.rglob("*") if p.is_file())
     return [rel for rel in rels if not _excluded(rel, journal_rel, out_rel)]
 
 
@@ -309,6 +315,12 @@ def build(results_dir, config: dict, configfiles=(), basedir=".", out_path=None)
         "software": _software(),
         "workflow": _git(base),
         "outputs": outputs,
+        "draft_vocab": _draft_vocab(results),
+        "token_counts": {
+            e["path"]: int(contracts.read_metadata(results / e["path"])[dv.META_LOSS_TOKENS])
+            for e in outputs
+            if e["path"].startswith(f"{dv.COUNTS_DIR}/") and e["path"].endswith(".parquet")
+        },
         "generated_samples": {
             e["path"]: sample_digests(results / e["path"])
             for e in outputs
@@ -316,6 +328,11 @@ def build(results_dir, config: dict, configfiles=(), basedir=".", out_path=None)
         },
     }
     return manifest
+
+
+def _draft_vocab(results: Path) -> dict | None:
+    path = results / "dataset" / dv.MAPPING_DIR / dv.SUMMARY_JSON
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def dumps(manifest: dict, config: dict) -> str:
