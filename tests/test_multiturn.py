@@ -269,3 +269,20 @@ def test_prefix_exact_template_gives_one_sequence_per_conversation(tmp_path):
                 assert row["loss_mask"][len(p) : len(p) + len(o)] == [1] * len(o)
         assert sum(row["loss_mask"]) == row["num_output_tokens"]
     assert r["dataset_meta"]["tokenmill.conversation_samples"] == str(len(d))
+
+
+def test_context_option_is_checked_before_any_job(repo_root):
+    import copy
+
+    import yaml
+
+    from tokenmill.config import ConfigError, check_config
+
+    base = yaml.safe_load((repo_root / "config.yaml").read_text())
+    ok = copy.deepcopy(base)
+    ok["categories"]["chat"]["context"] = "regenerated"
+    check_config(ok, repo_root)
+    bad = copy.deepcopy(base)
+    bad["categories"]["chat"]["context"] = "on_policy"
+    with pytest.raises(ConfigError, match="context"):
+        check_config(bad, repo_root)

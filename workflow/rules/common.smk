@@ -96,7 +96,8 @@ def stop_tokens_json(wildcards=None):
 
 def think_end_token(wildcards):
     """dataset.think_end_token for a context: regenerated category (it splits the model's
-    answers into reasoning and answer there); empty for others, which do not depend on it."""
+    answers into reasoning and answer there); empty for others, which do not depend on it.
+    """
     if config["categories"][wildcards.category].get("context") != "regenerated":
         return ""
     return config["dataset"].get("think_end_token") or ""
