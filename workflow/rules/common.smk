@@ -98,6 +98,15 @@ def stop_tokens_json(wildcards=None):
     return json.dumps(config["generation"]["stop_tokens"])
 
 
+def think_end_token(wildcards):
+    """dataset.think_end_token for a context: regenerated category (it splits the model's
+    answers into reasoning and answer there); empty for others, which do not depend on it.
+    """
+    if config["categories"][wildcards.category].get("context") != "regenerated":
+        return ""
+    return config["dataset"].get("think_end_token") or ""
+
+
 def tokenized_shard(wildcards):
     """A tokenized shard; waits for the category's tokenize checkpoint."""
     checkpoints.tokenize_prompts.get(category=wildcards.category)

@@ -24,10 +24,11 @@ checkpoint tokenize_prompts:
         model_revision=config["generation"].get("revision") or "",
         # Resolved to ids here, where the tokenizer is loaded: the GPU job needs no tokenizer.
         stop_tokens=stop_tokens_json,
+        think_end_token=think_end_token,
     shell:
         "tokenmill tokenize --prompts {input.prompts:q} --category {wildcards.category:q}"
         " --shards {params.shards} --tokenizer-config {params.tokenizer:q}"
         " --model={params.model:q} --model-revision={params.model_revision:q}"
         " --max-prompt-tokens {params.max_prompt_tokens} --workers {threads}"
-        " --stop-tokens {params.stop_tokens:q}"
+        " --stop-tokens {params.stop_tokens:q} --think-end-token={params.think_end_token:q}"
         " --out-dir {output.shards:q} --rejected {output.rejected:q} > {log:q} 2>&1"

@@ -51,6 +51,29 @@ TOKENIZED = pa.schema(
     ]
 )
 
+# tokenize, for a category with `context: regenerated`: one row per conversation (the unit of
+# sharding: its prompt_id hashes the whole conversation). prompt_ids is turn 1's prompt; the
+# later prompts are built by the generate job (tokenization/conversations.py). The prompt rows'
+# columns come first, so readers of TOKENIZED read these files too. Shard metadata
+# tokenmill.context = "regenerated" marks them.
+TOKENIZED_CONVERSATIONS = pa.schema(
+    [
+        *TOKENIZED,
+        pa.field("num_turns", pa.int32(), nullable=False),
+        # the template renders this conversation's earlier answers exactly as generated
+        pa.field("prefix_exact", pa.bool_(), nullable=False),
+        # prefix-exact: the ids between turn k's stop id and turn k+1's output (n-1 of them)
+        pa.field("turn_segments", pa.list_(pa.list_(pa.int32())), nullable=True),
+        # per turn: the dataset answer's ids when it has tool calls, else null
+        pa.field("tool_call_ids", pa.list_(pa.list_(pa.int32())), nullable=False),
+        pa.field("messages", pa.large_string(), nullable=False),  # as in PROMPTS
+        pa.field("tools", pa.large_string(), nullable=True),
+    ]
+)
+META_CONTEXT = "tokenmill.context"
+META_PREFIX_EXACT = "tokenmill.prefix_exact_template"
+META_THINK_END_ID = "tokenmill.think_end_id"
+
 # generate: results/generated/{category}/{shard}.parquet
 GENERATED = pa.schema(
     [
@@ -66,6 +89,19 @@ GENERATED = pa.schema(
         pa.field("latency_s", pa.float64(), nullable=True),
         pa.field("server", pa.string(), nullable=True),  # which server answered
         pa.field("weight_version", pa.string(), nullable=True),
+    ]
+)
+
+# generate, context: regenerated: one row per generated turn, (prompt_id, turn) order.
+# prompt_id is the conversation's; turn_prompt_ids the prompt the engine was sent for the turn
+# (the model's own earlier answers in it); conversation_end the reason its turns stopped.
+GENERATED_TURNS = pa.schema(
+    [
+        *GENERATED,
+        pa.field("turn", pa.int32(), nullable=False),  # 0-based
+        pa.field("turn_prompt_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("prefix_exact", pa.bool_(), nullable=False),
+        pa.field("conversation_end", pa.string(), nullable=False),
     ]
 )
 

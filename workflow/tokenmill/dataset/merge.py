@@ -39,6 +39,7 @@ inputs are sorted by prompt_id (as every stage writes them), whatever the shard 
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import os
 import sys
@@ -189,6 +190,15 @@ def merge_shard(
 ) -> MergeResult:
     """Merge one shard; raises ConservationError when the counts do not add up. With
     `counts_out`, also writes the loss-token counts of the kept rows there."""
+    if contracts.read_metadata(generated).get(contracts.META_CONTEXT) == "regenerated":
+        res = merge_conversation_shard(
+            tokenized, generated, out, rejected, rules, generation_fp, category, shard,
+            generate_rejected,
+        )  # fmt: skip
+        if counts_out:  # conversation shards are small: counted from the written rows
+            counts, rows = draft_vocab.count_dataset(out, rules.vocab_size)
+            draft_vocab.write_counts(counts_out, counts, rows, category=category, shard=shard)
+        return res
     res = MergeResult()
     tok = _read_scalar(tokenized, ["prompt_id", "num_prompt_tokens"])
     gen = _read_scalar(generated, ["prompt_id", "sample_key", "finish_type", "finish_matched_id"])
@@ -384,6 +394,137 @@ def merge_shard(
         contracts.REJECTED,
         "merge",
         {contracts.META_CATEGORY: category, contracts.META_SHARD: shard},
+    )
+    return res
+
+
+def merge_conversation_shard(
+    tokenized, generated, out, rejected, rules: Rules, generation_fp: str, category: str,
+    shard: str, generate_rejected=None,
+) -> MergeResult:  # fmt: skip
+    """A `context: regenerated` shard (docs/multi-turn.md): the generated turns (one row each,
+    with the prompt the engine was sent) are validated like any sample; a conversation keeps
+    its turns up to the first invalid one (later turns were built on it and are rejected with
+    the same reason). A prefix-exact conversation becomes ONE row, its last kept turn's
+    prompt + output, with loss_mask 1 over every kept turn's output; otherwise each kept turn
+    is a row (prompt_id repeats; sample_key is unique). Conservation: tokenized conversations
+    = conversations with a dataset row + conversations rejected whole here + generate's."""
+    res = MergeResult()
+    tok_pids = _read_scalar(tokenized, ["prompt_id"]).column("prompt_id").to_pylist()
+    gen = pq.read_table(generated)
+    res.tokenized, res.generated = len(tok_pids), gen.num_rows
+    gen_rej = set()
+    if generate_rejected and Path(generate_rejected).exists():
+        gen_rej = set(_read_scalar(generate_rejected, ["prompt_id"]).column(0).to_pylist())
+    res.generate_rejected = len(gen_rej)
+    p_off, p_val = list_parts(gen.column("turn_prompt_ids").combine_chunks())
+    o_off, o_val = list_parts(gen.column("output_ids").combine_chunks())
+    expected = sample_keys(generation_fp, p_off, p_val)
+    got = gen.column("sample_key").to_numpy(zero_copy_only=False)
+    reason = validate.validate(
+        rules, p_val, p_off, o_val, o_off, gen.column("finish_type").to_pylist(), expected == got
+    )
+    pids = gen.column("prompt_id").to_pylist()
+    exact = gen.column("prefix_exact").to_pylist()
+    keys_ = gen.column("sample_key").to_pylist()
+    finish = gen.column("finish_type").to_pylist()
+    by_conv: dict[str, list[int]] = {}
+    for i, pid in enumerate(pids):
+        by_conv.setdefault(pid, []).append(i)
+    known = set(tok_pids)
+    rows, rej = [], []
+
+    def turn(i):
+        return (p_val[p_off[i] : p_off[i + 1]], o_val[o_off[i] : o_off[i + 1]])
+
+    def reject(i, code, detail):
+        rej.append({"stage": "merge", "category": category, "reason": code, "detail": detail,
+                    "source": f"{category}/{shard}", "prompt_id": pids[i],
+                    "record": contracts.canonical_json({"sample_key": keys_[i], "turn": int(
+                        gen.column("turn")[i].as_py())})})  # fmt: skip
+
+    def row(pid, key, ids, mask, n_out, fin, reasoning):
+        n = len(ids)
+        return {"prompt_id": pid, "category": category, "sample_key": key,
+                "input_ids": ids, "loss_mask": mask, "num_prompt_tokens": n - n_out,
+                "num_output_tokens": n_out, "num_reasoning_tokens": reasoning,
+                "num_answer_tokens": None if reasoning is None else n_out - reasoning,
+                "num_total_tokens": n, "finish_type": fin}  # fmt: skip
+
+    def reasoning_of(out):
+        if rules.think_end_id is None:
+            return None
+        hits = np.flatnonzero(out == rules.think_end_id)
+        return int(hits[0]) + 1 if len(hits) else 0
+
+    kept_convs = exact_kept = 0
+    for pid in sorted(by_conv):
+        turns = by_conv[pid]
+        if pid not in known:
+            for i in turns:
+                reject(i, "unknown_prompt_id", validate.describe("unknown_prompt_id"))
+            continue
+        good = []
+        for j, i in enumerate(turns):
+            if reason[i] != validate.OK:
+                code = REASONS[reason[i]]
+                reject(i, code, f"turn {j}: {code}")
+                for later in turns[j + 1 :]:
+                    reject(later, code, f"built on turn {j}, which was rejected ({code})")
+                break
+            good.append(i)
+        if not good:
+            continue
+        kept_convs += 1
+        if exact[good[0]]:
+            last_p, last_o = turn(good[-1])
+            ids = np.concatenate([last_p, last_o])
+            mask = np.zeros(len(ids), np.int8)
+            n_out, n_reason = 0, 0 if rules.think_end_id is not None else None
+            for i in good:
+                p, o = turn(i)
+                if not np.array_equal(ids[: len(p) + len(o)], np.concatenate([p, o])):
+                    raise ConservationError(
+                        f"{pid}: turn prompts of a prefix-exact conversation do not nest"
+                    )
+                mask[len(p) : len(p) + len(o)] = 1
+                n_out += len(o)
+                if n_reason is not None:
+                    n_reason += reasoning_of(o)
+            rows.append(row(pid, keys_[good[-1]], ids, mask, n_out, finish[good[-1]], n_reason))
+            exact_kept += 1
+        else:
+            for i in good:
+                p, o = turn(i)
+                mask = np.concatenate([np.zeros(len(p), np.int8), np.ones(len(o), np.int8)])
+                rows.append(row(pid, keys_[i], np.concatenate([p, o]), mask, len(o), finish[i],
+                                reasoning_of(o)))  # fmt: skip
+    for pid in sorted(known - set(by_conv) - gen_rej):
+        rej.append({"stage": "merge", "category": category, "reason": "not_generated",
+                    "detail": validate.describe("not_generated"),
+                    "source": f"{category}/{shard}", "prompt_id": pid})  # fmt: skip
+    whole_rejected = len(known - gen_rej) - kept_convs
+    if whole_rejected < 0:
+        raise ConservationError(f"{category}/{shard}: more conversations kept than tokenized")
+    res.kept, res.rejected = len(rows), len(rej)
+    res.reasons = dict(sorted(collections.Counter(r["reason"] for r in rej).items()))
+    meta = {
+        contracts.META_CATEGORY: category,
+        contracts.META_SHARD: shard,
+        contracts.META_CONTEXT: "regenerated",
+        META_RECORDS_IN: str(res.generated),
+        META_RECORDS_KEPT: str(res.kept),
+        META_RECORDS_REJECTED: str(res.rejected),
+        "tokenmill.conversations": str(len(known)),
+        "tokenmill.conversations_kept": str(kept_convs),
+        # one sample per conversation (prefix-exact) vs one per turn
+        "tokenmill.conversation_samples": str(exact_kept),
+        "tokenmill.turn_samples": str(len(rows) - exact_kept),
+    }
+    table = pa.Table.from_pylist(rows, schema=contracts.DATASET)
+    contracts.write_table(table, out, contracts.DATASET, "merge", meta)
+    contracts.write_table(
+        contracts.rejected_table(rej), rejected, contracts.REJECTED, "merge", meta
     )
     return res
 

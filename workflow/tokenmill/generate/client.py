@@ -231,6 +231,7 @@ class Client:
         stats: Stats | None = None,
         api: EngineAPI | None = None,
         guard: RejectionGuard | None = None,
+        follow: Callable[[dict], list[Item]] | None = None,
     ):
         if not urls:
             raise ValueError("no server URLs")
@@ -240,6 +241,12 @@ class Client:
         self.alive = alive
         self.stats = stats or Stats()
         self.guard = guard or RejectionGuard(opts.reject_max_fraction, opts.reject_min_count)
+        # follow(record) -> the items that this answer makes possible (the next turn of a
+        # conversation): queued at once, so a worker never waits while work is ready.
+        self.follow = follow
+        self._active = 0
+        self._wakeup = asyncio.Event()
+        self._queue: asyncio.Queue | None = None
         # Fail fast: the signature every failure so far had, the prompts and attempts behind
         # it; disarmed for good by a success or by a different deterministic failure.
         self._ff_armed = True
@@ -374,6 +381,10 @@ class Client:
         rec = {"key": item.key, "status": kind, "prompt_id": item.prompt_id, **res}
         rec["attempts"] = attempt
         self.on_record(rec)
+        if self.follow is not None:
+            for nxt in self.follow(rec):
+                self._queue.put_nowait(nxt)
+                self.stats.total += 1
         self.stats.done += 1
         if kind == OK:
             self.stats.output_tokens += len(res["output_ids"])
@@ -390,8 +401,18 @@ class Client:
             try:
                 item = queue.get_nowait()
             except asyncio.QueueEmpty:
-                return
-            await self._process(session, item)
+                # With follow-ups, an item still in process may queue more work.
+                if self.follow is None or self._active == 0:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            self._active += 1
+            try:
+                await self._process(session, item)
+            finally:
+                self._active -= 1
+                self._wakeup.set()
 
     async def _watch(self) -> None:
         while True:
@@ -408,6 +429,7 @@ class Client:
         """Generate every item; raises GenerationFailed or EngineDied (journaled work stays)."""
         self.stats.total = max(self.stats.total, self.stats.done + len(items))
         queue: asyncio.Queue = asyncio.Queue()
+        self._queue = queue
         for it in items:
             queue.put_nowait(it)
         n_workers = min(len(items), self.opts.concurrency * len(self.urls))

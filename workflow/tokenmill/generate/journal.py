@@ -517,10 +517,11 @@ class ShardJournal:
     def jsonl_files(self) -> list[Path]:
         return sorted(self.dir.glob(f"{self.shard}.*.jsonl")) if self.dir.is_dir() else []
 
-    def open(self, wanted: set[str]) -> Index:
-        """The index of the wanted keys: the shard's compacted file, then its JSONL files.
-        Files of other shards are never opened."""
-        index = Index(set(wanted))
+    def open(self, wanted: set[str] | None) -> Index:
+        """The index of the wanted keys (None: every key; conversation shards, whose later
+        turns' keys are known only once the earlier turns are read): the shard's compacted
+        file, then its JSONL files. Files of other shards are never opened."""
+        index = Index(None if wanted is None else set(wanted))
         if self.live.is_file():
             index.add_parquet(self.live, "live")
         for path in self.jsonl_files():

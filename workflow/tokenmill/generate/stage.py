@@ -325,6 +325,10 @@ class Job:
 
 async def run(args, gen: dict, tok_cfg: dict, meta: dict, t0: float | None = None) -> int:
     """`t0`: the process's start on the monotonic clock (timing counts imports too)."""
+    from tokenmill.generate import conversations
+
+    if conversations.is_conversation_shard(args.tokenized):  # context: regenerated
+        return await conversations.run(args, gen, tok_cfg, meta, t0)
     t_run = time.monotonic()
     fingerprint = keys.generation_fingerprint(gen)
     managed = gen.get("mode", "managed") == "managed"
@@ -436,8 +440,11 @@ def check_vocab(shard: Shard, gen: dict, basedir: str, meta: dict) -> None:
         )
 
 
-async def _generate(job: Job, missing: list[Item], api, managed: bool) -> None:
-    """Start (or reach) the engine and generate the missing samples into the journal."""
+async def _generate(job: Job, missing: list[Item], api, managed: bool,
+                    frontier=None, follow=None) -> None:  # fmt: skip
+    """Start (or reach) the engine and generate the missing samples into the journal.
+    Conversations (generate/conversations.py): `follow(record)` gives the items an answer makes
+    possible, `frontier()` the items still to send after an engine restart."""
     args, gen, meta, clock, stats = job.args, job.gen, job.meta, job.clock, job.stats
     launch = gen.get("launch") or {}
     api_key = _api_key(gen)
@@ -484,11 +491,16 @@ async def _generate(job: Job, missing: list[Item], api, managed: bool) -> None:
             api.validate_sampling(gen.get("sampling") or {}, sti)
         urls = [engine.url] if managed else engine.urls
         while True:
-            todo = [it for it in missing if it.key not in answered]
+            if frontier is not None:
+                todo = frontier()
+            else:
+                todo = [it for it in missing if it.key not in answered]
             if not todo:
                 break
             alive = engine.alive if managed else None
-            client = Client(urls, opts, on_record, alive, stats, api=api, guard=guard)
+            client = Client(
+                urls, opts, on_record, alive, stats, api=api, guard=guard, follow=follow
+            )
             if "first_request" not in clock:
                 # The generation window opens now: progress lines' rates count from here.
                 clock["first_request"] = stats.started = time.monotonic()

@@ -34,6 +34,14 @@ Turn selection (`turns`), applied to a valid conversation:
   all    one prompt per assistant turn that follows a user/tool turn: everything before it.
          A conversation without assistant turns gives one prompt, the whole conversation.
 
+Context of later turns (`context`, a category option):
+  dataset      (default) the prompts above: earlier assistant turns are the dataset's text
+               (another model's answers: off-policy context).
+  regenerated  the whole conversation is one prompt row (its prompt_id hashes the whole
+               conversation, so all its turns land in one shard); `tokenmill generate`
+               regenerates every assistant turn in order, each on top of the model's own
+               earlier turns (docs/multi-turn.md). `turns` is ignored.
+
 Problems raise RecordError with a stable reason code (see REASONS).
 """
 
@@ -75,6 +83,7 @@ REASONS = (
 ROLES = ("system", "user", "assistant", "tool")
 FORMATS = ("messages", "sharegpt", "glaive", "instruction", "hook")
 TURNS = ("last", "first", "all")
+CONTEXTS = ("dataset", "regenerated")
 
 
 class RecordError(ValueError):
@@ -517,7 +526,31 @@ def to_conversation(record: dict, fmt: str, options: dict | None = None, hook=No
     return messages, tools
 
 
-def to_prompts(record: dict, fmt: str, options=None, hook=None, turns: str = "last"):
-    """One record -> [(prompt_id, messages, tools), ...] after turn selection."""
+def to_prompts(
+    record: dict, fmt: str, options=None, hook=None, turns: str = "last", context: str = "dataset"
+):
+    """One record -> [(prompt_id, messages, tools), ...] after turn selection. With
+    context=regenerated the whole conversation is the one "prompt" (its dataset assistant turns
+    stay in it: tokenize needs them to find the template's pieces between turns)."""
     messages, tools = to_conversation(record, fmt, options, hook)
+    if context == "regenerated":
+        return [(prompt_id(messages, tools), messages, tools)]
     return [(prompt_id(p, tools), p, tools) for p in select_turns(messages, turns)]
+
+
+def turn_spans(messages: list[dict]) -> list[tuple[int, int]]:
+    """(start, end) of each turn to regenerate in a conversation (context: regenerated): a run
+    of assistant messages after a user/tool message is one turn, replaced as a whole by the
+    model's one answer; a conversation that ends with a user/tool message gets one more turn,
+    (len, len), answered by the model with no dataset answer to replace."""
+    roles = [m["role"] for m in messages]
+    spans = []
+    for i, role in enumerate(roles):
+        if role == "assistant" and i > 0 and roles[i - 1] != "assistant":
+            end = i
+            while end < len(roles) and roles[end] == "assistant":
+                end += 1
+            spans.append((i, end))
+    if roles and roles[-1] != "assistant":
+        spans.append((len(roles), len(roles)))
+    return spans

@@ -44,6 +44,7 @@ import pyarrow.parquet as pq
 from tokenmill.cli import json_arg
 from tokenmill.config import load_hook, normalize_source
 from tokenmill.contracts import (
+    META_CONTEXT,
     PROMPTS,
     REJECTED,
     ROW_GROUP_SIZE,
@@ -55,7 +56,8 @@ from tokenmill.prepare import formats
 from tokenmill.prepare.sources import SourceError, iter_source
 
 STAGE = "prepare"
-CATEGORY_DEFAULTS = {"turns": "last", "max_prompts": None, "sample_seed": 0, "format_options": {}}
+CATEGORY_DEFAULTS = {"turns": "last", "context": "dataset", "max_prompts": None, "sample_seed": 0,
+                     "format_options": {}}  # fmt: skip
 
 
 class PrepareError(RuntimeError):
@@ -76,6 +78,8 @@ def with_defaults(category: dict) -> dict:
         )
     if cat["turns"] not in formats.TURNS:
         raise PrepareError(f"category config: 'turns' must be one of {formats.TURNS}")
+    if cat["context"] not in formats.CONTEXTS:
+        raise PrepareError(f"category config: 'context' must be one of {formats.CONTEXTS}")
     if any(normalize_source(s, cat)["format"] == "instruction" for s in cat["sources"]):
         try:
             formats.instruction_columns(cat["format_options"])
@@ -203,7 +207,7 @@ def _source_pass(category: str, cat: dict, basedir: Path, spill: _Spill):
                     continue
                 try:
                     prompts = formats.to_prompts(
-                        record.data, fmt, options, hooks[fmt], cat["turns"]
+                        record.data, fmt, options, hooks[fmt], cat["turns"], cat["context"]
                     )
                 except formats.RecordError as exc:
                     spill.append(source=record.location, raw=record.raw,
@@ -323,6 +327,10 @@ def prepare_files(category: str, cat: dict, out, rejected_out, basedir: str | Pa
         first_source: dict[int, str] = {}
         buckets = _Buckets(spill_dir, -(-n_kept // ROW_GROUP_SIZE))
         meta = _metadata(category, counts)
+        if cat["context"] != "dataset":
+            # Read by tokenize: conversation rows instead of prompt rows (only then, so that
+            # the files of every other category stay byte-identical).
+            meta[META_CONTEXT] = cat["context"]
         with ParquetWriter(rejected_out, REJECTED, STAGE, meta) as rejected_writer:
             pending: list[dict] = []
             row = 0

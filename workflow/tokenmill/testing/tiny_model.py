@@ -200,7 +200,7 @@ def _train(model, seqs, steps: int, pad_id: int) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tokenmill make-tiny-model", description=__doc__)
     parser.add_argument("out_dir")
-    parser.add_argument("--template", choices=["kimi", "qwen3"], default="kimi")
+    parser.add_argument("--template", choices=["kimi", "qwen3", "chatml"], default="kimi")
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--tokenizer-only", action="store_true")
     args = parser.parse_args(argv)

@@ -417,10 +417,12 @@ def tokenize_category(
     tokenizer=None,
     model_vocab: tuple[int | None, str] = (None, ""),
     stop_tokens: list | None = None,
+    think_end_token: str | None = None,
 ) -> Summary:
     """Run the stage end to end; returns the counts. `tokenizer`: an already loaded one.
     `model_vocab`: (vocab_size, where it was read) of the model, checked against every id.
-    `stop_tokens`: generation.stop_tokens, resolved to ids into every shard's metadata."""
+    `stop_tokens`: generation.stop_tokens, resolved to ids into every shard's metadata.
+    `think_end_token`: dataset.think_end_token (conversation categories split answers at it)."""
     from tokenmill.tokenization.tokenizer import (
         load_tokenizer,
         resolve_token_ids,
@@ -463,6 +465,13 @@ def tokenize_category(
             raise TokenizeError(f"generation.stop_tokens: {exc}") from None
         common_meta[META_STOP_TOKENS] = json.dumps(stop_tokens, ensure_ascii=False)
         common_meta[META_STOP_TOKEN_IDS] = json.dumps(stop_ids)
+    if contracts.read_metadata(prompts).get(contracts.META_CONTEXT) == "regenerated":
+        shutil.rmtree(spill_dir, ignore_errors=True)
+        common_meta[contracts.META_CONTEXT] = "regenerated"
+        return _tokenize_conversations(
+            pf, tokenizer, tok_cfg, common_meta, summary, num_shards, max_prompt_tokens,
+            out_dir, rejected_path, stop_tokens, think_end_token, start,
+        )  # fmt: skip
     try:
         spills = [ShardSpill(spill_dir, i) for i in range(num_shards)]
         rejected_writer = contracts.ParquetWriter(
@@ -625,6 +634,121 @@ def _route(
 
 
 # ---------------------------------------------------------------------------------------------
+# Conversation rows (context: regenerated)
+
+
+def _tokenize_conversations(
+    pf, tokenizer, tok_cfg, common_meta, summary, num_shards, max_prompt_tokens, out_dir,
+    rejected_path, stop_tokens, think_end_token, start,
+) -> Summary:  # fmt: skip
+    """One TOKENIZED_CONVERSATIONS row per conversation, in the shard of its prompt_id. Rows
+    are rendered one conversation at a time (apply_chat_template once per turn, and once more
+    per dataset answer) and held in memory per shard: conversation categories are small next
+    to prompt categories. The template's prefix-exactness (tokenization/conversations.py) goes
+    into every shard's metadata next to the tokenizer fingerprint."""
+    from tokenmill.tokenization import conversations as conv
+    from tokenmill.tokenization.tokenizer import resolve_token_ids
+
+    kwargs = dict(tok_cfg.get("chat_template_kwargs") or {})
+    if common_meta.get(META_STOP_TOKEN_IDS):
+        stop_ids = json.loads(common_meta[META_STOP_TOKEN_IDS])
+    elif tokenizer.eos_token_id is not None:
+        stop_ids = [int(tokenizer.eos_token_id)]
+    else:
+        raise TokenizeError("context: regenerated needs generation.stop_tokens (no eos token)")
+    think_end_id = None
+    if think_end_token:
+        try:
+            think_end_id = resolve_token_ids(tokenizer, [think_end_token])[0]
+        except ValueError as exc:
+            raise TokenizeError(f"dataset.think_end_token: {exc}") from None
+        common_meta[contracts.META_THINK_END_ID] = str(think_end_id)
+    exact = conv.template_prefix_exact(tokenizer, kwargs, stop_ids, think_end_id)
+    common_meta[contracts.META_PREFIX_EXACT] = "true" if exact else "false"
+    rows: list[list[dict]] = [[] for _ in range(num_shards)]
+    counts = [collections.Counter() for _ in range(num_shards)]
+    rejected: list[dict] = []
+    previous = None
+    cols = ["prompt_id", "source", "messages", "tools"]
+    for batch in pf.iter_batches(batch_size=CHUNK_ROWS, columns=cols):
+        for pid, source, messages_json, tools_json in zip(
+            *(batch.column(c).to_pylist() for c in cols), strict=True
+        ):
+            summary.records_in += 1
+            if previous is not None and pid < previous:
+                raise TokenizeError(f"prompts file is not sorted by prompt_id: '{pid}'")
+            reason = detail = None
+            shard = -1
+            try:
+                shard = shards.shard_of(pid, num_shards)
+            except ValueError as exc:
+                reason, detail = INVALID_PROMPT_ID, str(exc)
+            if shard >= 0:
+                counts[shard]["records_in"] += 1
+            pieces = None
+            if reason is None and pid == previous:
+                reason, detail = DUPLICATE_PROMPT_ID, "the same prompt_id appears more than once"
+            elif reason is None:
+                try:
+                    messages, tools = Encoder._parse(messages_json, tools_json)
+                except (ValueError, TypeError) as exc:
+                    reason, detail = INVALID_RECORD, _detail(exc)
+                else:
+                    try:
+                        pieces = conv.conversation_pieces(
+                            tokenizer, messages, tools, kwargs, stop_ids, exact
+                        )
+                    except Exception as exc:  # noqa: BLE001 - the template failed: one row
+                        reason, detail = TEMPLATE_ERROR, _detail(exc)
+            if pieces is not None and not pieces["prompt_ids"]:
+                reason, detail = EMPTY_PROMPT, "the chat template rendered no tokens"
+            elif pieces is not None and len(pieces["prompt_ids"]) > max_prompt_tokens:
+                n = len(pieces["prompt_ids"])
+                reason = TOO_LONG
+                detail = f"turn 1: {n} prompt tokens > max_prompt_tokens {max_prompt_tokens}"
+            previous = pid
+            if reason is not None:
+                summary.rejected += 1
+                summary.reasons[reason] += 1
+                if shard >= 0:
+                    counts[shard]["rejected"] += 1
+                rejected.append(
+                    {"stage": STAGE, "category": common_meta[contracts.META_CATEGORY],
+                     "reason": reason, "detail": detail, "source": source, "prompt_id": pid,
+                     "record": _record_json(messages_json, tools_json)}
+                )  # fmt: skip
+                continue
+            n = len(pieces["prompt_ids"])
+            summary.kept += 1
+            summary.prompt_tokens += n
+            counts[shard]["kept"] += 1
+            counts[shard]["tokens"] += n
+            rows[shard].append(
+                {"prompt_id": pid, "num_prompt_tokens": n, "messages": messages_json,
+                 "tools": tools_json, **pieces}
+            )  # fmt: skip
+    with contracts.ParquetWriter(rejected_path, contracts.REJECTED, STAGE, common_meta) as w:
+        w.write(contracts.rejected_table(rejected))
+    for i in range(num_shards):
+        meta = dict(common_meta)
+        meta.update(
+            {
+                contracts.META_SHARD: shards.shard_name(i),
+                META_RECORDS_IN: str(counts[i]["records_in"]),
+                META_KEPT: str(counts[i]["kept"]),
+                META_REJECTED: str(counts[i]["rejected"]),
+                META_PROMPT_TOKENS: str(counts[i]["tokens"]),
+            }
+        )
+        table = pa.Table.from_pylist(rows[i], schema=contracts.TOKENIZED_CONVERSATIONS)
+        contracts.write_table(
+            table, shards.shard_path(out_dir, i), contracts.TOKENIZED_CONVERSATIONS, STAGE, meta
+        )
+    summary.seconds = time.monotonic() - start
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
 # Command line
 
 
@@ -690,6 +814,11 @@ def main(argv: list[str]) -> int:
         default=None,
         help="generation.stop_tokens as a JSON list: resolved to ids into the shards' metadata",
     )
+    parser.add_argument(
+        "--think-end-token",
+        default=None,
+        help="dataset.think_end_token: where a context: regenerated category splits answers",
+    )
     parser.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
@@ -723,6 +852,7 @@ def main(argv: list[str]) -> int:
             tokenizer=tokenizer,
             model_vocab=model_vocab,
             stop_tokens=stop_tokens,
+            think_end_token=args.think_end_token or None,
         )
     except (TokenizeError, OSError, ValueError) as exc:
         print(f"tokenmill tokenize: error: {exc}", file=sys.stderr)

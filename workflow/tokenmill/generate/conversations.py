@@ -1,0 +1,303 @@
+"""The turn loop of a `context: regenerated` shard: every assistant turn of every conversation,
+in order, each on top of the model's own earlier turns (docs/multi-turn.md).
+
+One generate job runs a shard's conversations concurrently: turn k+1 of a conversation is
+queued the moment turn k's answer is journaled (Client's `follow` hook), so the engine holds
+as many requests as there are unfinished conversations (up to generation.concurrency).
+Each turn is a sample like any other: its key is the sample key of its prompt ids, which hold
+the model's own earlier answers, so
+
+- a killed job resumes at the first unjournaled turn of each conversation (replay walks the
+  journal turn by turn: turn 1's key, its answer, turn 2's prompt and key, ...);
+- an edited turn changes the conversation's prompt_id (and possibly its shard) and the prompt
+  ids from that turn on: the turns before it hit the journal, the rest are generated again.
+
+Prompts are built from ids (tokenization/conversations.py): prefix-exact conversations by
+concatenation, others with apply_chat_template of the conversation carrying the model's
+answers. Only the latter needs the tokenizer here: the one case in which the generate job
+imports transformers (loaded once, on the first such conversation).
+
+Output (contracts.GENERATED_TURNS): one row per generated turn, (prompt_id, turn) order, with
+the turn's prompt ids and why the conversation stopped; a conversation whose first turn was
+refused is a rejected row. The shard's journal is not compacted (its keys are not known up
+front); its JSONL files are read whole on a rerun.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tokenmill import contracts, keys
+from tokenmill.generate import journal
+from tokenmill.generate.client import OK, REASONS, REJECTED, Item
+from tokenmill.tokenization import conversations as conv
+from tokenmill.tokenization.stage import META_MAX_PROMPT_TOKENS
+
+log = logging.getLogger("tokenmill.generate")
+
+
+def is_conversation_shard(path) -> bool:
+    return contracts.read_metadata(path).get(contracts.META_CONTEXT) == "regenerated"
+
+
+class Conversations:
+    """The conversations of one shard and where each one stands."""
+
+    def __init__(self, path, fingerprint: str, seed_policy: str, stop_ids, tok_cfg, basedir):
+        meta = contracts.read_metadata(path)
+        self.rows = pq.read_table(path).to_pylist()
+        self.fingerprint, self.seed_policy = fingerprint, seed_policy
+        self.stop_ids = list(stop_ids)
+        te = meta.get(contracts.META_THINK_END_ID)
+        self.think_end_id = int(te) if te else None
+        mpt = meta.get(META_MAX_PROMPT_TOKENS)
+        self.max_prompt_tokens = int(mpt) if mpt else None
+        self.tok_cfg, self.basedir = tok_cfg, basedir
+        self._tokenizer = None
+        n = len(self.rows)
+        self.turns: list[list[dict]] = [[] for _ in range(n)]  # {"prompt", "key", "rec"}
+        self.end: list[str | None] = [None] * n
+        self.prompt: list[list[int]] = [r["prompt_ids"] for r in self.rows]  # the next turn's
+        self.waiting: dict[str, list[int]] = {}  # key -> conversations waiting for it
+        self.items: dict[str, Item] = {}  # key -> the item of a turn not answered yet
+        self.from_journal = 0
+
+    # -- prompts
+    def tokenizer(self):
+        if self._tokenizer is None:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            from tokenmill.tokenization.tokenizer import load_tokenizer  # heavy: only here
+
+            self._tokenizer = load_tokenizer(self.tok_cfg, self.basedir)
+        return self._tokenizer
+
+    def _next_prompt(self, c: int) -> list[int]:
+        row, done = self.rows[c], self.turns[c]
+        k = len(done) - 1
+        if row["prefix_exact"]:
+            return done[k]["prompt"] + list(done[k]["rec"]["output_ids"]) + row["turn_segments"][k]
+        tok = self.tokenizer()
+        answers = {}
+        for j, t in enumerate(done):
+            tool = row["tool_call_ids"][j]
+            # A tool-call turn continues only when the model's ids equal the dataset's: its
+            # message (with tool_calls) renders to those ids, no parser needed.
+            answers[j] = (
+                None
+                if tool is not None
+                else conv.model_message(tok, t["rec"]["output_ids"], self.stop_ids,
+                                        self.think_end_id)
+            )  # fmt: skip
+        messages = conv.messages_with_answers(json.loads(row["messages"]), answers)
+        kwargs = dict(self.tok_cfg.get("chat_template_kwargs") or {})
+        return conv.render(tok, messages, conv.load_json(row["tools"]), True, kwargs)
+
+    def _item(self, c: int) -> Item:
+        prompt = self.prompt[c]
+        key = keys.sample_key(self.fingerprint, prompt)
+        seed = keys.sampling_seed(key) if self.seed_policy == "per_sample" else None
+        return Item(self.rows[c]["prompt_id"], key, prompt, seed)
+
+    # -- progress
+    def advance(self, c: int, key: str, rec: dict) -> None:
+        """Turn len(turns[c]) of conversation c was answered by `rec`: record it, then end the
+        conversation or set its next prompt."""
+        row = self.rows[c]
+        k = len(self.turns[c])
+        if rec["status"] != OK:
+            self.end[c] = conv.END_REJECTED if rec["status"] == REJECTED else conv.END_ERROR
+            self.turns[c].append({"prompt": self.prompt[c], "key": key, "rec": rec})
+            return
+        self.turns[c].append({"prompt": self.prompt[c], "key": key, "rec": rec})
+        out = list(rec["output_ids"])
+        tool = row["tool_call_ids"][k]
+        if not out or out[-1] not in self.stop_ids:
+            self.end[c] = conv.END_TRUNCATED
+        elif k + 1 >= row["num_turns"]:
+            self.end[c] = conv.END_COMPLETE
+        elif tool is not None and out != list(tool):
+            self.end[c] = conv.END_TOOL_DIVERGED
+        else:
+            nxt = self._next_prompt(c)
+            if self.max_prompt_tokens and len(nxt) > self.max_prompt_tokens:
+                self.end[c] = conv.END_TOO_LONG
+            else:
+                self.prompt[c] = nxt
+
+    def replay(self, index: journal.Index) -> None:
+        """Walk the journal turn by turn (one fetch per turn depth); what is not journaled
+        becomes the pending items."""
+        frontier = list(range(len(self.rows)))
+        while frontier:
+            items = {c: self._item(c) for c in frontier}
+            have = [c for c in frontier if index.has(items[c].key)]
+            for c in frontier:
+                if c not in have:
+                    self._wait(c, items[c])
+            if not have:
+                break
+            ks = list(dict.fromkeys(items[c].key for c in have))
+            recs = dict(zip(ks, journal.table_to_records(index.fetch(ks)), strict=True))
+            frontier = []
+            for c in have:
+                self.from_journal += 1
+                self.advance(c, items[c].key, recs[items[c].key])
+                if self.end[c] is None:
+                    frontier.append(c)
+
+    def _wait(self, c: int, item: Item) -> Item | None:
+        """Conversation c waits for item's answer; returns the item when it is new."""
+        first = item.key not in self.waiting
+        self.waiting.setdefault(item.key, []).append(c)
+        if first:
+            self.items[item.key] = item
+            return item
+        return None
+
+    def pending(self) -> list[Item]:
+        """Items of turns not answered yet (the engine restart loop asks again)."""
+        return list(self.items.values())
+
+    def follow(self, rec: dict, index: journal.Index | None = None) -> list[Item]:
+        """An answer came back: advance the conversations that waited for it and return the
+        next turns to send (a next turn already journaled is taken from the journal)."""
+        self.items.pop(rec["key"], None)
+        out: list[Item] = []
+        todo = [(c, rec["key"], rec) for c in self.waiting.pop(rec["key"], [])]
+        while todo:
+            c, key, r = todo.pop()
+            self.advance(c, key, r)
+            if self.end[c] is not None:
+                continue
+            item = self._item(c)
+            if index is not None and index.has(item.key) and item.key not in self.waiting:
+                fetched = journal.table_to_records(index.fetch([item.key]))[0]
+                todo.append((c, item.key, fetched))
+                continue
+            new = self._wait(c, item)
+            if new is not None:
+                out.append(new)
+        return out
+
+    # -- output
+    def counts(self) -> dict:
+        ends = collections.Counter(e or "unfinished" for e in self.end)
+        turns = sum(len(t) for t in self.turns)
+        ok_turns = sum(1 for ts in self.turns for t in ts if t["rec"]["status"] == OK)
+        exact = sum(1 for r in self.rows if r["prefix_exact"])
+        return {
+            "conversations": len(self.rows),
+            "prefix_exact_conversations": exact,
+            "turns_total": sum(r["num_turns"] for r in self.rows),
+            "turns_answered": turns,
+            "turns_generated_ok": ok_turns,
+            "turns_from_journal": self.from_journal,
+            "conversation_ends": dict(sorted(ends.items())),
+        }
+
+    def write(self, out_path, rejected_path, category: str, file_meta: dict) -> tuple[int, int]:
+        """Generated turns and rejected conversations, prompt_id order. Returns (turn rows,
+        rejected rows)."""
+        gen_rows, rej_rows = [], []
+        for c in sorted(range(len(self.rows)), key=lambda i: self.rows[i]["prompt_id"]):
+            row, end = self.rows[c], self.end[c]
+            ok = [t for t in self.turns[c] if t["rec"]["status"] == OK]
+            if end is None:
+                raise RuntimeError(f"conversation {row['prompt_id']} did not finish")
+            if not ok:
+                last = self.turns[c][-1]["rec"]
+                rej_rows.append(
+                    {"stage": "generate", "category": category,
+                     "reason": REASONS.get(last["status"], REASONS[REJECTED]),
+                     "detail": last.get("message"), "prompt_id": row["prompt_id"],
+                     "record": contracts.canonical_json(
+                         {"sample_key": self.turns[c][-1]["key"], "turn": 0,
+                          "num_prompt_tokens": len(self.turns[c][-1]["prompt"])})}
+                )  # fmt: skip
+                continue
+            for k, t in enumerate(ok):
+                r = t["rec"]
+                gen_rows.append(
+                    {**{name: r.get(name) for name in contracts.GENERATED.names},
+                     "prompt_id": row["prompt_id"], "sample_key": t["key"], "turn": k,
+                     "turn_prompt_ids": t["prompt"], "prefix_exact": row["prefix_exact"],
+                     "conversation_end": end}
+                )  # fmt: skip
+        schema = contracts.GENERATED_TURNS
+        contracts.write_table(
+            pa.Table.from_pylist(gen_rows, schema=schema), out_path, schema, "generate", file_meta
+        )
+        contracts.write_table(
+            contracts.rejected_table(rej_rows), rejected_path, contracts.REJECTED, "generate",
+            file_meta,
+        )  # fmt: skip
+        return len(gen_rows), len(rej_rows)
+
+
+async def run(args, gen: dict, tok_cfg: dict, meta: dict, t0: float | None = None) -> int:
+    """`tokenmill generate` for a conversation shard (stage.run hands over to this)."""
+    from tokenmill.generate import engines
+    from tokenmill.generate import stage as st
+
+    t_run = time.monotonic()
+    fingerprint = keys.generation_fingerprint(gen)
+    managed = gen.get("mode", "managed") == "managed"
+    api = engines.for_config(gen)
+    engines.validate(gen)
+    st._api_key(gen)
+    shard = st.Shard(args.tokenized, fingerprint, gen.get("seed_policy", "none"))
+    stop_ids, _ = st.resolve_stop_ids(gen, tok_cfg, args.basedir, shard.metadata)
+    convs = Conversations(
+        args.tokenized, fingerprint, gen.get("seed_policy", "none"), stop_ids, tok_cfg,
+        args.basedir,
+    )  # fmt: skip
+    if shard.num_shards is not None:
+        journal.ensure_layout(args.journal_dir, args.category, shard.num_shards)
+    sj = journal.ShardJournal(args.journal_dir, args.category, args.shard)
+    index = sj.open(None)
+    clock = {"t0": t_run if t0 is None else t0, "run": t_run}
+    job = st.Job(args, gen, tok_cfg, meta, clock, shard, sj, index, {})
+    try:
+        convs.replay(index)
+        clock["replayed"] = time.monotonic()
+        missing = convs.pending()
+        job.counts.update(
+            conversations=len(convs.rows), from_journal=convs.from_journal,
+            to_generate_now=len(missing),
+        )  # fmt: skip
+        meta.update(
+            generation_fingerprint=fingerprint, category=args.category, shard=args.shard,
+            mode="managed" if managed else "external", engine=api.name, engine_started=False,
+            counts=job.counts, context="regenerated",
+            journal={"dir": str(args.journal_dir), "compaction": None},
+        )  # fmt: skip
+        if missing:
+            await st._generate(
+                job, missing, api, managed,
+                frontier=convs.pending, follow=lambda rec: convs.follow(rec, index),
+            )  # fmt: skip
+        t_write = time.monotonic()
+        file_meta = {
+            contracts.META_GENERATION_FINGERPRINT: fingerprint,
+            contracts.META_CATEGORY: args.category,
+            contracts.META_SHARD: args.shard,
+            contracts.META_CONTEXT: "regenerated",
+            "tokenmill.records_in": str(len(convs.rows)),
+        }
+        turns, rejected = convs.write(args.out, args.rejected, args.category, file_meta)
+        job.counts.update(convs.counts(), kept_turns=turns, rejected=rejected)
+        job.counts.setdefault("requested", 0)
+        meta["timing"] = timing = st._timing(clock, t_write, time.monotonic())
+        meta["wall_time_s"] = timing["total_s"]
+        log.info("shard %s/%s done: %s", args.category, args.shard,
+                 json.dumps(job.counts, sort_keys=True))  # fmt: skip
+    finally:
+        index.close()
+    return 0
