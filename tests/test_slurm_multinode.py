@@ -1,0 +1,325 @@
+"""GPU request semantics, nested srun and preemption on a REAL two-node SLURM (slurm-wlm 22.05:
+`slurmd -N n1` and `slurmd -N n2` on this host, 2 fake GPUs each, slurmdbd), started by
+
+    TOKENMILL_SLURM_NODES=2 tests/slurm/cluster.sh up     (its own cluster "ci2", SLURM_CONF)
+
+What it pins down (docs/cluster.md, "Two nodes: GPUs, nested srun, preemption"):
+- `--nodes=2 --gres=gpu:N` gives EACH node N GPUs; `--gpus=N` is a total for the job (split over
+  the nodes); `--gpus` below the node count is rejected;
+- how the slurm plugin runs a rule (the jobstep plugin: `srun -n1 ... --nodes=N [--gpus=G]`):
+  with `gpu=G` (sbatch/srun `--gpus=G`) and nodes=2 that step cannot even be created; with
+  `gres=gpu:N` (and no `gpu`) the rule runs, on the first node only;
+- from inside that step, `srun --overlap --nodes=2 --ntasks=2 --ntasks-per-node=1` fails with the
+  inherited environment (SLURM_JOB_NODELIST names the step's single node) and gets one task per
+  node once the SLURM_* variables are stripped;
+- preemption (PreemptType=preempt/partition_prio): what a preempted job receives, and the states
+  sacct and squeue show for PreemptMode=REQUEUE, CANCEL and REQUEUE with GraceTime.
+
+Without root or apt the module is skipped (under CI=true that is a failure).
+Run: pytest -m slurm tests/test_slurm_multinode.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
+HERE = ROOT / "tests" / "slurm" / "multinode"
+RUN = Path(os.environ.get("TOKENMILL_SLURM2_RUN", "/tmp/tokenmill-slurm2"))
+SLURM_CONF = RUN / "etc" / "slurm.conf"
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def cluster_env() -> dict:
+    return dict(
+        os.environ, SLURM_CONF=str(SLURM_CONF), TOKENMILL_SLURM_NODES="2", TOKENMILL_SLURM_RUN=str(RUN)
+    )
+
+
+def sh(*cmd: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cluster_env())
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} -> {proc.returncode}\n{proc.stdout}{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def cluster2():
+    if os.geteuid() != 0 or not (shutil.which("apt-get") or shutil.which("slurmctld")):
+        if os.environ.get("CI") == "true":
+            pytest.fail("two-node SLURM tests need root and apt-get under CI=true")
+        pytest.skip("needs root and apt-get (tests/slurm/cluster.sh)")
+    already_up = sh("bash", str(CLUSTER), "status", check=False).returncode == 0
+    if not already_up:
+        proc = sh("bash", str(CLUSTER), "up", timeout=900, check=False)
+        assert proc.returncode == 0, f"cluster did not start:\n{proc.stdout}{proc.stderr}"
+    try:
+        yield
+    finally:
+        if not already_up:
+            sh("bash", str(CLUSTER), "stop", timeout=120, check=False)
+
+
+def wait_job(job: str, timeout: float = 90) -> str:
+    """Wait until the job has left squeue; its final state from sacct."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not sh("squeue", "-h", "-j", job, "-o", "%T", check=False).stdout.strip():
+            break
+        time.sleep(0.3)
+    else:
+        sh("scancel", job, check=False)
+        raise AssertionError(f"job {job} still queued after {timeout} s")
+    for _ in range(50):  # the end record reaches slurmdbd a moment later
+        state = sh("sacct", "-X", "-n", "-P", "-j", job, "-o", "State").stdout.split()
+        if state and state[-1] not in ("RUNNING", "PENDING", "COMPLETING"):
+            return state[-1]
+        time.sleep(0.2)
+    return state[-1] if state else ""
+
+
+def sbatch(tmp_path: Path, label: str, *args: str, wrap: str | None = None) -> tuple[str, Path]:
+    out = tmp_path / f"{label}.out"
+    cmd = ["sbatch", "--parsable", "-o", str(out), "--mem=500", *args]
+    if wrap is not None:
+        cmd += ["--wrap", wrap]
+    job = sh(*cmd).stdout.strip().split(";")[0]
+    return job, out
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+
+
+def by_node(recs: list[dict], label: str) -> dict[str, str]:
+    return {r["node"]: r["cuda"] for r in recs if r.get("label") == label and "node" in r}
+
+
+# ---------------------------------------------------------------------------------- GPUs
+
+
+@pytest.mark.parametrize(
+    "request_args, per_node",
+    [
+        (["--gres=gpu:2"], {"n1": 2, "n2": 2}),  # per node
+        (["--gres=gpu:1"], {"n1": 1, "n2": 1}),  # per node
+        (["--gpus=2"], {"n1": 1, "n2": 1}),  # a total, split over the nodes
+        (["--gpus=4"], {"n1": 2, "n2": 2}),  # a total
+        (["--gpus=3"], {"n1": 2, "n2": 1}),  # a total: uneven
+        (["--gpus-per-node=1"], {"n1": 1, "n2": 1}),
+    ],
+)
+def test_gpu_request_semantics_on_two_nodes(cluster2, tmp_path, request_args, per_node):
+    probe = HERE / "probe.sh"
+    launch = f"srun --nodes=2 --ntasks=2 --ntasks-per-node=1 {probe} task"
+    job, out = sbatch(tmp_path, "gpus", "--nodes=2", *request_args, wrap=launch)
+    assert wait_job(job) == "COMPLETED", out.read_text()
+    got = by_node(records(out), "task")
+    assert {node: len(cuda.split(",")) for node, cuda in got.items()} == per_node, got
+
+
+def test_fewer_gpus_than_nodes_is_rejected(cluster2):
+    proc = sh("sbatch", "--nodes=2", "--gpus=1", "--wrap", "true", check=False)
+    assert proc.returncode != 0
+    assert "--gpus < -N" in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------------------------- nested srun
+
+
+def test_plugin_gpu_resource_with_two_nodes_cannot_start_the_rule(cluster2, tmp_path):
+    """resources gpu=2, nodes=2: the plugin submits `--nodes=2 --gpus=2` and the jobstep plugin
+    runs `srun -n1 ... --gpus=2 --nodes=2`: -n1 shrinks the step to one node, which holds one
+    of the two GPUs, so SLURM refuses the step and the rule never runs."""
+    rule = f"{HERE / 'nested.sh'} {HERE / 'probe.sh'}"
+    job, out = sbatch(
+        tmp_path, "gpu", "--nodes=2", "--gpus=2", "--cpus-per-task=1",
+        str(HERE / "jobstep.sh"), "2", "2", *rule.split(),
+    )  # fmt: skip
+    assert wait_job(job) == "FAILED"
+    text = out.read_text()
+    assert "can't run 1 processes on 2 nodes, setting nnodes to 1" in text, text
+    assert "Invalid generic resource (gres) specification" in text, text
+    assert not records(out)
+
+
+@pytest.fixture(scope="module")
+def nested(cluster2, tmp_path_factory):
+    """resources gres="gpu:2", nodes=2 (no gpu): `--nodes=2 --gres=gpu:2`, the jobstep's
+    `srun -n1 --cpu-bind=q --cpus-per-task=1 --nodes=2`, and the engine launch inside it."""
+    tmp = tmp_path_factory.mktemp("nested")
+    rule = [str(HERE / "nested.sh"), str(HERE / "probe.sh")]
+    job, out = sbatch(
+        tmp, "gres", "--nodes=2", "--gres=gpu:2", "--cpus-per-task=1",
+        str(HERE / "jobstep.sh"), "0", "2", *rule,
+    )  # fmt: skip
+    assert wait_job(job) == "COMPLETED", out.read_text()
+    return records(out), out.read_text()
+
+
+def test_the_rule_step_is_on_the_first_node_only(nested):
+    recs, text = nested
+    assert "can't run 1 processes on 2 nodes, setting nnodes to 1" in text
+    (rule,) = [r for r in recs if r["label"] == "rule"]
+    # The step's own nodelist replaces the job's: SLURM_JOB_NODELIST=n1, SLURM_NODELIST=n[1-2].
+    assert (rule["node"], rule["job_nodelist"], rule["nodelist"]) == ("n1", "n1", "n[1-2]"), rule
+    assert rule["cuda"] == "0,1", rule  # the step sees the node's GPUs of the job
+
+
+def test_nested_srun_with_inherited_env_fails(nested):
+    recs, _ = nested
+    (res,) = [r for r in recs if r["label"] == "inherited" and "rc" in r]
+    assert res["rc"] != 0
+    assert "Only allocated 1 nodes asked for 2" in res["stderr"], res
+    assert not by_node(recs, "inherited")
+
+
+@pytest.mark.parametrize("label", ["no_job_nodelist", "stripped"])
+def test_nested_srun_gets_one_task_per_node_once_stripped(nested, label):
+    recs, _ = nested
+    (res,) = [r for r in recs if r["label"] == label and "rc" in r]
+    assert res["rc"] == 0, res
+    tasks = [r for r in recs if r["label"] == label and "node" in r]
+    assert sorted((t["node"], t["procid"]) for t in tasks) == [("n1", "0"), ("n2", "1")]
+    for t in tasks:  # each task sees its node's 2 GPUs and the whole job's nodelist
+        assert t["cuda"] == "0,1" and t["job_nodelist"] == "n[1-2]", t
+
+
+# ---------------------------------------------------------------------------------- preemption
+
+
+def squeue_states(job: str) -> str:
+    return sh("squeue", "-h", "-j", job, "-o", "%T|%r", check=False).stdout.strip()
+
+
+def sacct_rows(job: str) -> list[str]:
+    out = sh("sacct", "-X", "-n", "-P", "--duplicates", "-j", job, "-o", "JobID,State,ExitCode")
+    return out.stdout.splitlines()
+
+
+def scontrol_job(job: str) -> dict:
+    out = sh("scontrol", "-o", "show", "job", job, check=False).stdout
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+def seconds(ts: str) -> float:
+    return time.mktime(time.strptime(ts, "%Y-%m-%dT%H:%M:%S"))
+
+
+def plugin_view(name: str) -> str:
+    """The plugin's own status query (job_status_query.py), for a job named `name`."""
+    out = sh(
+        "sacct", "-X", "--parsable2", "--clusters", "all", "--noheader",
+        "--format=JobIdRaw,State", "--starttime", "now-1hour", "--endtime", "now", "--name", name,
+    )  # fmt: skip
+    return out.stdout.strip()
+
+
+def preempt(tmp_path: Path, partition: str, extra: tuple = ()) -> dict:
+    """A low job in `partition` holding both nodes' GPUs, preempted by a short job in `high`."""
+    log = tmp_path / "preempt.jsonl"
+    name = f"low-{partition}"
+    env_args = [f"--export=ALL,PREEMPT_LOG={log}"]
+    low, _ = sbatch(
+        tmp_path, name, "-p", partition, "-J", name, "--nodes=2", "--gres=gpu:2",
+        *env_args, *extra, str(HERE / "preempt_job.sh"),
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not (log.exists() and '"step","job":"%s","event":"start"' % low in log.read_text()):
+        assert time.monotonic() < deadline, squeue_states(low)
+        time.sleep(0.2)
+    t_submit = time.time()
+    high, _ = sbatch(tmp_path, "high", "-p", "high", "--nodes=1", "--gres=gpu:2", wrap="sleep 3")
+    seen: list[str] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # squeue states of the low job, each change once
+        st = squeue_states(low)
+        if not seen or seen[-1].split(" ", 1)[1] != st:
+            seen.append(f"{time.time() - t_submit:.1f} {st}")
+        if not st.startswith(("RUNNING", "COMPLETING")):
+            break
+        time.sleep(0.25)
+    info = scontrol_job(low)
+    result = {
+        "squeue": seen,
+        "scontrol": {k: info.get(k) for k in ("JobState", "Reason", "Restarts", "Requeue")},
+        "eligible_after_requeue_s": (
+            seconds(info["EligibleTime"]) - seconds(info["SubmitTime"])
+            if info.get("JobState") == "PENDING"
+            else None
+        ),
+        "events": [
+            {**e, "t": round(float(e["t"]) - t_submit, 1)}
+            for e in (json.loads(x) for x in log.read_text().splitlines())
+        ],
+        "sacct_after_preempt": sacct_rows(low),
+        "plugin_view": plugin_view(name),
+        "high": wait_job(high),
+    }
+    result["events"] = [
+        {**e, "t": round(float(e["t"]) - t_submit, 1)}
+        for e in (json.loads(x) for x in log.read_text().splitlines())
+    ]
+    sh("scancel", low, check=False)
+    wait_job(low)
+    result["sacct_final"] = sacct_rows(low)
+    (tmp_path / "result.json").write_text(json.dumps(result, indent=1))
+    print(partition, extra, json.dumps(result, indent=1))
+    return result
+
+
+def events(r: dict, who: str) -> list[str]:
+    return [e["event"] for e in r["events"] if e["who"] == who]
+
+
+def test_preempt_requeue(cluster2, tmp_path):
+    r = preempt(tmp_path, "debug")
+    # Batch script and step: SIGCONT+SIGTERM at preemption (SIGKILL after KillWait=5 s).
+    for who in ("batch", "step"):
+        assert events(r, who)[0] == "start" and "TERM" in events(r, who), r
+        assert "end" not in events(r, who), r
+    # Requeued: pending again, eligible only 120 s later; one restart counted.
+    assert r["scontrol"]["JobState"] == "PENDING" and r["scontrol"]["Reason"] == "BeginTime", r
+    assert r["scontrol"]["Restarts"] == "1", r
+    assert 110 <= r["eligible_after_requeue_s"] <= 130, r
+    # sacct keeps the preempted run as its own record (--duplicates); the plugin's own query
+    # (no --duplicates, a time window) reports PREEMPTED while the job is pending again.
+    assert r["sacct_after_preempt"][0].split("|")[1] == "PREEMPTED", r
+    assert r["plugin_view"].endswith("|PREEMPTED"), r
+    assert [row.split("|")[1] for row in r["sacct_final"]] == ["PREEMPTED", "CANCELLED by 0"], r
+    assert r["high"] == "COMPLETED"
+
+
+def test_preempt_cancel(cluster2, tmp_path):
+    r = preempt(tmp_path, "lowcancel")
+    for who in ("batch", "step"):
+        assert events(r, who)[0] == "start" and "TERM" in events(r, who), r
+    assert events(r, "batch").count("start") == 1, r
+    # Gone from squeue after COMPLETING; PREEMPTED is its final state in sacct and for the
+    # plugin (which has no branch that ends a PREEMPTED job: it keeps waiting).
+    assert r["squeue"][-1].endswith(" "), r
+    assert [row.split("|")[1] for row in r["sacct_final"]] == ["PREEMPTED"], r
+    assert r["plugin_view"].endswith("|PREEMPTED"), r
+
+
+def test_preempt_requeue_with_grace_time(cluster2, tmp_path):
+    r = preempt(tmp_path, "lowgrace")
+    step_term = [e["t"] for e in r["events"] if e["who"] == "step" and e["event"] == "TERM"]
+    batch_term = [e["t"] for e in r["events"] if e["who"] == "batch" and e["event"] == "TERM"]
+    left = [float(x.split()[0]) for x in r["squeue"] if not x.split(" ", 1)[1].startswith("RUNNING")]
+    # At preemption (grace start) only the job's steps get SIGTERM, not the batch script; the
+    # job is killed (SIGTERM to all, SIGKILL after KillWait) no earlier than GraceTime=10 s later
+    # (measured: 28 s and 36 s later; slurmctld checks the grace time on a periodic pass).
+    assert step_term and step_term[0] < 10, r
+    assert batch_term and batch_term[0] - step_term[0] >= 9, r
+    assert left and left[0] - step_term[0] >= 9, r
+    assert r["scontrol"]["JobState"] == "PENDING" and r["scontrol"]["Restarts"] == "1", r
