@@ -56,14 +56,19 @@ def test_exit_code_and_environment_pass_through(apptainer, monkeypatch):
     monkeypatch.setenv("TOKENMILL_X", "1")
     proc = run("exec", "sglang.sif", "sh", "-c", 'echo "$TOKENMILL_X"; exit 3')
     assert (proc.returncode, proc.stdout) == (3, "1\n")
-    proc = run("exec", "--cleanenv", "--env", "Y=2", "sglang.sif", "sh", "-c", 'echo "$TOKENMILL_X$Y"')
+    proc = run(
+        "exec", "--cleanenv", "--env", "Y=2", "sglang.sif", "sh", "-c", 'echo "$TOKENMILL_X$Y"'
+    )
     assert proc.stdout == "2\n"
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["exec", "--bind", "/no/such/dir:/model", "sglang.sif", "true"], "mount source /no/such/dir doesn't exist"),
+        (
+            ["exec", "--bind", "/no/such/dir:/model", "sglang.sif", "true"],
+            "mount source /no/such/dir doesn't exist",
+        ),
         (["exec", "missing.sif", "true"], "could not open image"),
         (["exec", "--gpus", "sglang.sif", "true"], "unknown flag: --gpus"),
         (["exec", "sglang.sif"], "exec needs a command"),

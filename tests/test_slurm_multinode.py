@@ -16,7 +16,9 @@ What it pins down (docs/cluster.md, "Two nodes: GPUs, nested srun, preemption"):
   sacct and squeue show for PreemptMode=REQUEUE, CANCEL and REQUEUE with GraceTime.
 
 Without root or apt the module is skipped (under CI=true that is a failure).
-Run: pytest -m slurm tests/test_slurm_multinode.py
+Run: pytest -m slurm tests/test_slurm_multinode.py (about 2.5 min). With the cluster started
+with TOKENMILL_SLURM_ETC=/etc/slurm (and that variable set for pytest too) it also runs the real
+snakemake runs, which need the config where SLURM looks without SLURM_CONF.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -34,14 +37,18 @@ ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
 HERE = ROOT / "tests" / "slurm" / "multinode"
 RUN = Path(os.environ.get("TOKENMILL_SLURM2_RUN", "/tmp/tokenmill-slurm2"))
-SLURM_CONF = RUN / "etc" / "slurm.conf"
+# TOKENMILL_SLURM_ETC=/etc/slurm (cluster.sh): needed by test_real_plugin_run_with_two_nodes.
+SLURM_CONF = Path(os.environ.get("TOKENMILL_SLURM_ETC", RUN / "etc")) / "slurm.conf"
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
 def cluster_env() -> dict:
     return dict(
-        os.environ, SLURM_CONF=str(SLURM_CONF), TOKENMILL_SLURM_NODES="2", TOKENMILL_SLURM_RUN=str(RUN)
+        os.environ,
+        SLURM_CONF=str(SLURM_CONF),
+        TOKENMILL_SLURM_NODES="2",
+        TOKENMILL_SLURM_RUN=str(RUN),
     )
 
 
@@ -234,7 +241,7 @@ def preempt(tmp_path: Path, partition: str, extra: tuple = ()) -> dict:
         *env_args, *extra, str(HERE / "preempt_job.sh"),
     )  # fmt: skip
     deadline = time.monotonic() + 30
-    while not (log.exists() and '"step","job":"%s","event":"start"' % low in log.read_text()):
+    while not (log.exists() and f'"step","job":"{low}","event":"start"' in log.read_text()):
         assert time.monotonic() < deadline, squeue_states(low)
         time.sleep(0.2)
     t_submit = time.time()
@@ -315,7 +322,9 @@ def test_preempt_requeue_with_grace_time(cluster2, tmp_path):
     r = preempt(tmp_path, "lowgrace")
     step_term = [e["t"] for e in r["events"] if e["who"] == "step" and e["event"] == "TERM"]
     batch_term = [e["t"] for e in r["events"] if e["who"] == "batch" and e["event"] == "TERM"]
-    left = [float(x.split()[0]) for x in r["squeue"] if not x.split(" ", 1)[1].startswith("RUNNING")]
+    left = [
+        float(x.split()[0]) for x in r["squeue"] if not x.split(" ", 1)[1].startswith("RUNNING")
+    ]
     # At preemption (grace start) only the job's steps get SIGTERM, not the batch script; the
     # job is killed (SIGTERM to all, SIGKILL after KillWait) no earlier than GraceTime=10 s later
     # (measured: 28 s and 36 s later; slurmctld checks the grace time on a periodic pass).
@@ -323,3 +332,44 @@ def test_preempt_requeue_with_grace_time(cluster2, tmp_path):
     assert batch_term and batch_term[0] - step_term[0] >= 9, r
     assert left and left[0] - step_term[0] >= 9, r
     assert r["scontrol"]["JobState"] == "PENDING" and r["scontrol"]["Restarts"] == "1", r
+
+
+# ---------------------------------------------------------------------------------- the plugin
+
+
+@pytest.mark.parametrize("gpu_resource", ["gres", "gpu"])
+def test_real_plugin_run_with_two_nodes(cluster2, tmp_path, gpu_resource):
+    """The same through snakemake --executor slurm. Its jobstep plugin drops SLURM_CONF before
+    its srun, so this needs the two-node cluster's config in /etc/slurm
+    (TOKENMILL_SLURM_ETC=/etc/slurm); skipped otherwise."""
+    if Path("/etc/slurm/slurm.conf") != SLURM_CONF:
+        pytest.skip("the two-node cluster's config is not in /etc/slurm (TOKENMILL_SLURM_ETC)")
+    shutil.copy2(HERE / "Snakefile", tmp_path / "Snakefile")
+    bin_dir = Path(sys.executable).parent
+    cmd = [
+        "timeout", "-s", "INT", "-k", "30", "200", str(bin_dir / "snakemake"),
+        "--executor", "slurm", "--jobs", "1", "--retries", "0",
+        "--default-resources", "slurm_account=root", "slurm_partition=debug",
+        "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "1",
+        "--slurm-keep-successful-logs", "--config", f"gpu_resource={gpu_resource}",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=260)
+    logs = "".join(
+        p.read_text() for p in tmp_path.glob(".snakemake/slurm_logs/rule_two_nodes/*.log")
+    )
+    assert "can't run 1 processes on 2 nodes, setting nnodes to 1" in logs, logs
+    if gpu_resource == "gpu":
+        assert proc.returncode != 0
+        assert "Invalid generic resource (gres) specification" in logs, logs
+        assert "SLURM status is: 'FAILED'" in proc.stdout + proc.stderr
+        return
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = sorted((tmp_path / "two_nodes.txt").read_text().splitlines())
+    assert "rule n1 n1 n[1-2] 0,1" in lines, lines
+    assert "srun: error: Only allocated 1 nodes asked for 2" in lines, lines
+    assert [x for x in lines if x.startswith("stripped")] == [
+        "stripped n1 0 0,1",
+        "stripped n2 1 0,1",
+    ]

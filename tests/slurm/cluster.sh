@@ -20,6 +20,8 @@
 #   TOKENMILL_SLURM_GPUS  fake GPUs per node, GRES gpu type "fake" (default 2; 0 = none)
 #   TOKENMILL_SLURM_DB_PORT  MariaDB port on 127.0.0.1 (default 3306, two-node mode 3307)
 #   TOKENMILL_SLURM_NODES 1 (default) or 2, the two-node mode below
+#   TOKENMILL_SLURM_ETC   two-node mode only: its config folder (default $RUN/etc; /etc/slurm for
+#                         real snakemake runs, whose jobstep plugin drops SLURM_CONF)
 # The cluster: ClusterName=ci, one node (this host, 127.0.0.1), partition "debug" (default),
 # accounting through slurmdbd (so `sacct`, which the snakemake plugin polls with, answers;
 # user root's account is "root").
@@ -48,7 +50,11 @@ case "$NODES" in
 2)
   RUN="${TOKENMILL_SLURM_RUN:-/tmp/tokenmill-slurm2}"
   DBPORT="${TOKENMILL_SLURM_DB_PORT:-3307}"
-  ETC="$RUN/etc" # a private config: SLURM_CONF points at it (slurmdbd.conf and gres.conf too)
+  # A private config: SLURM_CONF points at it (slurmdbd.conf and gres.conf too).
+  # TOKENMILL_SLURM_ETC=/etc/slurm puts it where SLURM looks without SLURM_CONF, which a real
+  # snakemake run needs: the jobstep plugin drops SLURM_CONF before its srun (never while the
+  # single-node cluster runs: it refuses).
+  ETC="${TOKENMILL_SLURM_ETC:-$RUN/etc}"
   export SLURM_CONF="$ETC/slurm.conf"
   ;;
 *)
@@ -347,6 +353,12 @@ do_start2() {
   if pid_alive slurmctld && pid_alive slurmd.n1 && pid_alive slurmd.n2 && cluster2_up; then
     log "already running: $(sinfo -h -o '%P %a %D %T %G' | tr '\n' ';')"
     return 0
+  fi
+  if [ "$ETC" = /etc/slurm ] && ! pid_alive slurmctld; then
+    local p
+    for p in $(pgrep -x slurmctld || true); do
+      alive "$p" && die "a slurmctld not started by this two-node cluster is running (pid $p); it may use /etc/slurm"
+    done
   fi
   write_config2
   start_munge
