@@ -13,7 +13,8 @@ from pathlib import Path
 
 import fake_sglang
 import pytest
-from tokenmill import engine as eng
+
+from tokenmill.generate import launch as eng
 
 FAKE = Path(__file__).resolve().parent / "slurm" / "fake_apptainer"
 

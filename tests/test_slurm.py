@@ -76,7 +76,7 @@ def copy_workflow(dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("Snakefile", "config.yaml", "pyproject.toml"):
         shutil.copy2(ROOT / name, dest / name)
-    for name in ("workflow", "sample", "profiles", "envs"):
+    for name in ("workflow", "sample", "profiles"):
         shutil.copytree(
             ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
         )

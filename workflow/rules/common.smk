@@ -5,6 +5,7 @@ import re
 
 from tokenmill import workflow_support as support
 from tokenmill.config import ConfigError, check_config
+from tokenmill.generate.resources import job_resources
 from tokenmill.keys import generation_fingerprint
 from tokenmill.tokenization.shards import shard_names
 
@@ -51,8 +52,14 @@ def category_source_files(wildcards):
     return support.local_source_files(config["categories"][wildcards.category], ".")
 
 
+def without_resources(section):
+    """A config section minus its SLURM job size: resizing jobs must not rerun their rules."""
+    return {k: v for k, v in section.items() if k != "resources"}
+
+
 def category_json(wildcards):
-    return json.dumps(config["categories"][wildcards.category], sort_keys=True)
+    category = config["categories"][wildcards.category]
+    return json.dumps(without_resources(category), sort_keys=True)
 
 
 def category_shard_count(wildcards):
@@ -64,7 +71,7 @@ def tokenizer_json(wildcards=None):
 
 
 def generation_json(wildcards=None):
-    return json.dumps(config["generation"], sort_keys=True)
+    return json.dumps(without_resources(config["generation"]), sort_keys=True)
 
 
 def dataset_json(wildcards=None):
@@ -85,9 +92,13 @@ def dataset_shard(wildcards):
     return res(f"dataset/{wildcards.category}/{wildcards.shard}.parquet")
 
 
-def generate_runtime(wildcards, attempt):
-    """Minutes: grows with each retry so a job killed at its time limit gets longer next time."""
-    return config["generation"]["resources"]["runtime_min"] * attempt
+def generate_resource(name):
+    """One SLURM resource of a generate job, per category and attempt (unset: None)."""
+
+    def value(wildcards, attempt):
+        return job_resources(config, wildcards.category, attempt)[name]
+
+    return value
 
 
 def all_shard_files(pattern):

@@ -10,8 +10,6 @@ rule merge_shard:
         res("logs/merge/{category}/{shard}.log"),
     benchmark:
         res("benchmarks/merge/{category}/{shard}.tsv")
-    conda:
-        "../../envs/tokenmill.yaml"
     params:
         dataset=dataset_json,
         generation=generation_json,
@@ -32,8 +30,6 @@ rule export_jsonl:
         jsonl=res("export/{category}/{shard}.jsonl"),
     log:
         res("logs/export/{category}/{shard}.log"),
-    conda:
-        "../../envs/tokenmill.yaml"
     shell:
         "tokenmill export-jsonl --dataset {input.dataset:q} --out {output.jsonl:q} > {log:q} 2>&1"
 
@@ -61,8 +57,6 @@ rule summarize_stats:
         ),
     log:
         res("logs/stats.log"),
-    conda:
-        "../../envs/tokenmill.yaml"
     params:
         config=config_json,
         results=results_dir,
@@ -79,8 +73,6 @@ rule write_dataset_card:
         card=res("dataset/README.md"),
     log:
         res("logs/card.log"),
-    conda:
-        "../../envs/tokenmill.yaml"
     params:
         config=config_json,
         results=results_dir,
@@ -96,8 +88,6 @@ rule write_provenance:
         provenance=res("provenance.json"),
     log:
         res("logs/provenance.log"),
-    conda:
-        "../../envs/tokenmill.yaml"
     params:
         config=config_json,
         results=results_dir,
@@ -114,8 +104,6 @@ rule compare_with_manifest:
         report=res("reproduce/report.json"),
     log:
         res("logs/reproduce.log"),
-    conda:
-        "../../envs/tokenmill.yaml"
     params:
         manifest=config["reproduce"] or "",
         results=results_dir,
