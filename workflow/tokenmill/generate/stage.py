@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from tokenmill import contracts, keys
 from tokenmill.cli import json_arg
-from tokenmill.generate import engines, journal
+from tokenmill.generate import engines, journal, shard_lock
 from tokenmill.generate.client import (
     Client,
     ClientOptions,
@@ -41,6 +41,7 @@ from tokenmill.generate.client import (
     Stats,
 )
 from tokenmill.generate.launch import EngineError, ExternalEngines, ManagedEngine
+from tokenmill.generate.shard_lock import ShardLocked
 from tokenmill.redaction import redact
 
 log = logging.getLogger("tokenmill.generate")
@@ -344,8 +345,10 @@ def main(argv: list[str]) -> int:
         },  # fmt: skip
     }
     try:
-        rc = asyncio.run(_main_async(args, gen, tok_cfg, meta))
-    except (GenerationFailed, EngineError, ValueError, OSError) as exc:
+        # One process per shard: a second job on it (a restarted controller) fails fast here.
+        with shard_lock.hold(args.journal_dir, args.category, args.shard):
+            rc = asyncio.run(_main_async(args, gen, tok_cfg, meta))
+    except (GenerationFailed, EngineError, ValueError, OSError, ShardLocked) as exc:
         log.error("generate failed: %s", exc)
         return 1
     if rc == 0:
