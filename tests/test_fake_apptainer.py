@@ -106,3 +106,41 @@ def test_managed_engine_through_apptainer(apptainer):
     finally:
         e.stop(grace_s=5)
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+
+
+@pytest.mark.parametrize("runtime", ["apptainer", "singularity"])
+def test_generate_stage_with_the_engine_in_a_container(apptainer, runtime):
+    """`tokenmill generate` with the docs' container launch command (docs/cluster.md, section
+    10), the fake standing in for apptainer/singularity: --nv, the model bound read-only at
+    /model, --served-model-name so the model check passes; every prompt exactly once, the
+    journal written by tokenmill on the host (no bind needed), the engine gone at the end."""
+    from test_generate import Run, _alive, _complete
+
+    (apptainer / "bin" / "singularity").symlink_to(FAKE)
+    r = Run(apptainer, n=12)
+    inner = r.gen["launch"]["command"]  # {python} fake_sglang.py --model-path {model} ...
+    model_at = inner.index("--model-path") + 1
+    inner[model_at] = "/model"
+    r.gen["model"] = "models/tiny"
+    r.gen["launch"]["command"] = [
+        runtime, "exec", "--nv", "--bind", "{model}:/model:ro", "sglang.sif",
+        *inner, "--served-model-name", "{model}",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        [*r.argv(), "--basedir", str(apptainer)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=apptainer,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    g, _ = _complete(r, 12)
+    assert r.requests() == 12 and r.journaled() == 12
+    meta = r.meta()
+    assert meta["model_info"]["model_path"] == "/model"
+    bind = f"{apptainer / 'models/tiny'}:/model:ro"
+    assert meta["engine_argv"][:6] == [runtime, "exec", "--nv", "--bind", bind, "sglang.sif"]
+    calls = [json.loads(x) for x in (apptainer / "apptainer.jsonl").read_text().splitlines()]
+    assert calls[-1]["nv"] and calls[-1]["binds"][0][1:] == ["/model", "ro"], calls[-1]
+    assert calls[-1]["runner"] == ("bwrap" if shutil.which("bwrap") else "direct")
+    assert not any(_alive(pid) for pid in r.engine_pids())
