@@ -26,11 +26,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -373,3 +376,199 @@ def test_real_plugin_run_with_two_nodes(cluster2, tmp_path, gpu_resource):
         "stripped n1 0 0,1",
         "stripped n2 1 0,1",
     ]
+
+
+# ---------------------------------------------------------------------------------- the pipeline
+# tokenmill itself on the two-node cluster, through `--profile profiles/slurm` (real snakemake,
+# real plugin). Like test_real_plugin_run_with_two_nodes these need the cluster's config in
+# /etc/slurm (TOKENMILL_SLURM_ETC=/etc/slurm): the jobstep plugin drops SLURM_CONF.
+
+MAIL = "ci@example.org"
+
+
+def needs_etc_slurm() -> None:
+    if Path("/etc/slurm/slurm.conf") != SLURM_CONF:
+        pytest.skip("the two-node cluster's config is not in /etc/slurm (TOKENMILL_SLURM_ETC)")
+
+
+def site_layer(workdir: Path, **generate_shard) -> str:
+    """A site profile layered over profiles/slurm + tests/slurm/test-overrides."""
+    layer = workdir / "site"
+    layer.mkdir(exist_ok=True)
+    text = "set-resources:\n  generate_shard:\n"
+    text += "".join(f"    {k}: {json.dumps(v)}\n" for k, v in generate_shard.items())
+    (layer / "config.yaml").write_text(text)
+    return str(layer)
+
+
+def pipeline_cmd(timeout_s: int, cfg: Path, layer: str, target: str) -> list:
+    import test_slurm as ts
+
+    cmd = ts.snakemake_cmd(timeout_s, cfg, target)
+    at = cmd.index("--configfile")
+    return [*cmd[:at], "--profile", layer, *cmd[at:]]
+
+
+def pipeline_env(**extra: str) -> dict:
+    import test_slurm as ts
+
+    env = {k: v for k, v in ts.env().items() if k != "SLURM_CONF"}
+    return {**env, **extra}
+
+
+def start_run(workdir: Path, cmd: list, name: str, **extra: str):
+    out = workdir / f"{name}.out"
+    with open(out, "w") as f:
+        proc = subprocess.Popen(
+            cmd, cwd=workdir, env=pipeline_env(**extra), stdout=f, stderr=subprocess.STDOUT
+        )
+    return proc, out
+
+
+def sacct_fields(job: str, fields: str) -> list[dict]:
+    out = sh("sacct", "-X", "-n", "-P", "--duplicates", "-j", job, "-o", fields).stdout
+    names = fields.split(",")
+    return [dict(zip(names, line.split("|"), strict=True)) for line in out.splitlines()]
+
+
+def test_two_node_engine_through_the_slurm_profile(cluster2, tmp_path):
+    """generation.launch.nnodes=2 with gpus=2 (per node): the generate job gets 2 nodes with 2
+    GPUs each (sbatch --nodes=2 --gres=gpu:2), the engine's srun one rank per node with that
+    node's GPUs, the rendezvous address resolves to the first node's address, every prompt is
+    generated exactly once. Also: qos and a category's runtime from the config, the profile's
+    job-name prefix, mail on failure through slurm_extra."""
+    import test_slurm as ts
+
+    needs_etc_slurm()
+    workdir = ts.copy_workflow(tmp_path / "wf")
+    command = ["{python}", ts.PROBE, "--node-rank", "{node_rank}", "--dist-init-addr",
+               "{dist_init_addr}", "--nnodes", "{nnodes}", *ts.PROBE_COMMAND[2:]]  # fmt: skip
+    config = ts.make_config(
+        launch={"command": command, "nnodes": 2, "host": "0.0.0.0"},
+        resources={"gpus": 2, "cpus": 1, "mem_mb": 1000, "runtime_min": 5, "qos": "normal"},
+    )
+    config["categories"]["chat"]["resources"] = {"runtime_min": 7}
+    cfg = ts.write_config(workdir, config)
+    layer = site_layer(workdir, slurm_extra=f"'--mail-type=FAIL --mail-user={MAIL}'")
+    target = "results/generated/chat/000.parquet"
+    proc, out = start_run(workdir, pipeline_cmd(400, cfg, layer, target), "mn")
+    rc, text = ts.finish(proc, out, timeout=460)
+    assert rc == 0, ts.tail(text) + "\n" + ts._generate_log(workdir, "chat", "000")
+
+    (job,) = ts.slurm_jobs_of(workdir, "generate_shard")
+    (row,) = sacct_fields(job, "JobName,NNodes,AllocTRES,QOS,Timelimit,State")
+    assert row["NNodes"] == "2" and "gres/gpu=4" in row["AllocTRES"], row  # 2 per node
+    assert row["QOS"] == "normal" and row["Timelimit"] == "00:07:00", row
+    assert row["JobName"].startswith("tokenmill_") and row["State"] == "COMPLETED", row
+    info = scontrol_job(job)  # still known to slurmctld (MinJobAge=300)
+    assert info.get("MailUser") == MAIL and "FAIL" in info.get("MailType", ""), info
+
+    starts = [e for e in ts.probe_events(workdir) if e["event"] == "start"]
+    assert sorted((e["node"], e["rank"]) for e in starts) == [("n1", 0), ("n2", 1)], starts
+    assert all(e["cuda_visible_devices"] == "0,1" for e in starts), starts  # the node's GPUs
+    assert {e["job"] for e in starts} == {job} and len({e["step"] for e in starts}) == 1
+    (head,) = {e["dist_init_addr"] for e in starts}
+    host, port = head.rsplit(":", 1)
+    node_addr = scontrol_job_node_addr("n1")
+    assert host == node_addr and socket.getaddrinfo(host, int(port)), (head, node_addr)
+    # Requests went to rank 0 only; every prompt exactly once; no rank outlived the job.
+    assert {e["rank"] for e in ts.probe_events(workdir) if e["event"] == "request"} == {0}
+    n = pq.read_metadata(workdir / "results/tokenized/chat/000.parquet").num_rows
+    assert len(ts.assert_exactly_once(workdir, "chat", "000")) == n
+    assert ts.requests_by_job(ts.probe_events(workdir))[job] == n
+    for e in starts:
+        assert not ts.running(e["pid"]), e
+    engine_log = (workdir / "results/logs/generate/chat/000/engine.log").read_text()
+    assert "Only allocated 1 nodes" not in engine_log, engine_log[-3000:]
+
+
+def scontrol_job_node_addr(node: str) -> str:
+    out = sh("scontrol", "-o", "show", "node", node).stdout
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)["NodeAddr"]
+
+
+PREEMPT_DELAY_S = 4  # per /generate request, 2 in flight: a ~40-prompt shard takes ~80 s
+
+
+@pytest.fixture(scope="module")
+def preempted_runs(cluster2, tmp_path_factory):
+    """Two controllers side by side, each generating chat/000 on one GPU: one in partition
+    debug (PreemptMode=REQUEUE), one in lowcancel (PreemptMode=CANCEL). Once both journaled
+    two samples, a job in partition high takes every GPU of both nodes and preempts both."""
+    import test_slurm as ts
+
+    needs_etc_slurm()
+    config = ts.make_config(
+        concurrency=2,
+        resources={"gpus": 1, "cpus": 1, "mem_mb": 1000, "runtime_min": 10},
+        launch={"env": {"TOKENMILL_PROBE_LOG": ts.PROBE_LOG,
+                        "TOKENMILL_PROBE_DELAY_S": str(PREEMPT_DELAY_S)}},
+    )  # fmt: skip
+    target = "results/generated/chat/000.parquet"
+    runs, procs = {}, {}
+    try:
+        for mode, partition in (("requeue", "debug"), ("cancel", "lowcancel")):
+            workdir = ts.copy_workflow(tmp_path_factory.mktemp(mode) / "wf")
+            cfg = ts.write_config(workdir, config)
+            layer = site_layer(workdir, slurm_partition=partition)
+            cmd = pipeline_cmd(600, cfg, layer, target)
+            procs[mode] = start_run(workdir, cmd, mode, TOKENMILL_PREEMPT_WATCH_S="5")
+            runs[mode] = {"workdir": workdir}
+        deadline = time.monotonic() + 300
+        while not all(ts.journal_records(r["workdir"], "chat", "000") >= 2 for r in runs.values()):
+            assert time.monotonic() < deadline, "no generate progress"
+            assert all(p.poll() is None for p, _ in procs.values()), "a controller ended early"
+            time.sleep(1)
+        for r in runs.values():
+            (r["job"],) = ts.slurm_jobs_of(r["workdir"], "generate_shard")
+            r["records_at_preemption"] = ts.journal_records(r["workdir"], "chat", "000")
+        t0 = time.monotonic()
+        high, _ = sbatch(tmp_path_factory.mktemp("high"), "high", "-p", "high", "--nodes=2",
+                         "--gres=gpu:2", wrap="sleep 5")  # fmt: skip
+        runs["high"] = wait_job(high, timeout=120)
+        for mode, (proc, out) in procs.items():
+            runs[mode]["rc"], runs[mode]["out"] = ts.finish(proc, out, timeout=560)
+            runs[mode]["wall_after_preemption_s"] = round(time.monotonic() - t0)
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=90)
+    print(json.dumps({m: {k: v for k, v in r.items() if k != "out"} for m, r in runs.items()
+                      if isinstance(r, dict)}, default=str, indent=1))  # fmt: skip
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["requeue", "cancel"])
+def test_preempted_generate_job_resumes_and_the_controller_finishes(preempted_runs, mode):
+    import test_slurm as ts
+
+    r = preempted_runs[mode]
+    assert preempted_runs["high"] == "COMPLETED"
+    assert r["rc"] == 0, ts.tail(r["out"]) + ts._generate_log(r["workdir"], "chat", "000")
+    job = r["job"]
+    # One job id throughout: SLURM (REQUEUE) or the controller's watchdog (CANCEL) requeued it,
+    # the plugin kept following it, nothing was submitted twice.
+    assert ts.slurm_jobs_of(r["workdir"], "generate_shard") == [job]
+    states = [row["State"] for row in sacct_fields(job, "State")]
+    assert states[-1] == "COMPLETED" and states[0] in ("PREEMPTED", "REQUEUED"), states
+    # REQUEUE: the plugin saw PREEMPTED and waited for SLURM. CANCEL: the controller's watchdog
+    # requeued the job (often before the plugin's next poll, which then never sees PREEMPTED).
+    watchdog = "was preempted and cancelled (PreemptMode=CANCEL); requeued it" in r["out"]
+    assert watchdog == (mode == "cancel"), ts.tail(r["out"])
+    if mode == "requeue":
+        assert "A Job preemption  occured" in r["out"], ts.tail(r["out"])
+    # The preempted attempt got SIGTERM, stopped its engine, kept its journal; the restart
+    # resumed from it.
+    engine_log = (r["workdir"] / "results/logs/generate/chat/000/engine.log").read_text()
+    assert engine_log.count("tokenmill: engine start") == 2, engine_log[-3000:]
+    assert engine_log.count("tokenmill: engine stopped") == 2, engine_log[-3000:]
+    n = pq.read_metadata(r["workdir"] / "results/tokenized/chat/000.parquet").num_rows
+    assert len(ts.assert_exactly_once(r["workdir"], "chat", "000")) == n
+    meta = json.loads((r["workdir"] / "results/generated/chat/000.meta.json").read_text())
+    assert meta["counts"]["from_journal"] >= r["records_at_preemption"], meta["counts"]
+    assert ts.journal_records(r["workdir"], "chat", "000") == n  # nothing journaled twice
+    total = ts.requests_by_job(ts.probe_events(r["workdir"]))[job]
+    assert n <= total <= n + 2, (total, n)  # at most the 2 in flight were paid twice
+    starts = [e for e in ts.probe_events(r["workdir"]) if e["event"] == "start"]
+    assert len(starts) == 2, starts  # the preempted engine and the restarted one

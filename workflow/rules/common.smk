@@ -5,6 +5,7 @@ import re
 
 from tokenmill import workflow_support as support
 from tokenmill.config import ConfigError, check_config
+from tokenmill.generate import preemption
 from tokenmill.generate.resources import job_resources
 from tokenmill.keys import generation_fingerprint
 from tokenmill.tokenization.shards import shard_names

@@ -36,3 +36,9 @@ rule generate_shard:
         " --tokenized {input.tokenized:q} --out {output.generated:q}"
         " --rejected {output.rejected:q} --meta {output.meta:q}"
         " --journal-dir {params.journal:q} --log-dir {params.log_dir:q} > {log:q} 2>&1"
+
+
+# The controller (slurm executor only; never in jobs or dry runs) requeues its jobs that a
+# PreemptMode=CANCEL preemption cancelled: plugin 2.8.0 would wait for them forever.
+onstart:
+    preemption.start_for_workflow(workflow)
