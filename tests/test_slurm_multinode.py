@@ -572,3 +572,34 @@ def test_preempted_generate_job_resumes_and_the_controller_finishes(preempted_ru
     assert n <= total <= n + 2, (total, n)  # at most the 2 in flight were paid twice
     starts = [e for e in ts.probe_events(r["workdir"]) if e["event"] == "start"]
     assert len(starts) == 2, starts  # the preempted engine and the restarted one
+
+
+def test_retries_grow_memory_and_runtime_up_to_the_caps(cluster2, tmp_path):
+    """A generate job that fails every attempt (its engine exits at start): the profile's two
+    retries ask for more memory each time (for an OUT_OF_MEMORY kill) and more time (for a
+    TIMEOUT), but never more than max_mem_mb and max_runtime_min; the controller then stops."""
+    import test_slurm as ts
+
+    needs_etc_slurm()
+    workdir = ts.copy_workflow(tmp_path / "wf")
+    config = ts.make_config(
+        launch={"command": ["{python}", "-c", "import sys; sys.exit(3)"]},
+        resources={"gpus": 1, "cpus": 1, "mem_mb": 1000, "max_mem_mb": 2500,
+                   "runtime_min": 5, "max_runtime_min": 12},
+    )  # fmt: skip
+    cfg = ts.write_config(workdir, config)
+    layer = site_layer(workdir, slurm_partition="debug")
+    target = "results/generated/chat/000.parquet"
+    proc, out = start_run(workdir, pipeline_cmd(400, cfg, layer, target), "retries")
+    rc, text = ts.finish(proc, out, timeout=460)
+    assert rc != 0, ts.tail(text)
+    jobs = ts.slurm_jobs_of(workdir, "generate_shard")
+    assert len(jobs) == 3, jobs
+    rows = [sacct_fields(j, "ReqMem,Timelimit,State")[-1] for j in jobs]
+    assert [(r["ReqMem"], r["Timelimit"]) for r in rows] == [
+        ("1000M", "00:05:00"),
+        ("2000M", "00:10:00"),
+        ("2500M", "00:12:00"),
+    ], rows
+    assert all(r["State"] == "FAILED" for r in rows), rows
+    assert "engine exited with code 3 during startup" in ts._generate_log(workdir, "chat", "000")
