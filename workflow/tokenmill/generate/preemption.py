@@ -60,7 +60,7 @@ class Watchdog(threading.Thread):
         self.workdir = str(workdir)
         self.interval_s = interval_s
         self.requeued: dict[str, int] = {}  # job id -> times requeued by us
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def check_once(self) -> list[str]:
         done = []
@@ -81,14 +81,14 @@ class Watchdog(threading.Thread):
         return done
 
     def run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._halt.wait(self.interval_s):
             try:
                 self.check_once()
             except (OSError, subprocess.SubprocessError) as exc:
                 _say(f"preemption watchdog: {exc}")
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
 
 def start_for_workflow(workflow, workdir: str | Path = ".") -> Watchdog | None:
