@@ -584,7 +584,8 @@ def test_multi_node_launch_gives_each_task_its_rank_and_the_head(pipeline, tmp_p
     try:
         one_node = ["--set-resources", "generate_shard:nodes=1"]
         target = "results/generated/code/000.parquet"
-        rc, out = run(workdir, snakemake_cmd(300, cfg, *one_node, target), "mn", 360)
+        # (after the target: --set-resources takes several values)
+        rc, out = run(workdir, snakemake_cmd(300, cfg, target, *one_node), "mn", 360)
     finally:
         del os.environ["TOKENMILL_LAUNCHER_PREFIX"]
     assert rc == 0, tail(out) + "\n" + _generate_log(workdir, "code", "000")
