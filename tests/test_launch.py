@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -296,9 +297,75 @@ def test_multinode_launch_with_injected_prefix(tmp_path, monkeypatch):
         launched = e.server_info["launch_command"]
         port = int(e.url.rsplit(":", 1)[1])
         assert "--nnodes 2 --node-rank 0" in launched
-        assert f"--dist-init-addr 127.0.0.1:{port + eng.DIST_PORT_OFFSET}" in launched
+        assert e.dist_port >= port + eng.DIST_PORT_OFFSET  # the first free block from there
+        assert f"--dist-init-addr 127.0.0.1:{e.dist_port}" in launched
     finally:
         e.stop(grace_s=5)
+
+
+def test_engine_srun_gets_a_clean_slurm_environment(tmp_path, monkeypatch):
+    """What the rule's one-node step leaves in the environment (SLURM_JOB_NODELIST=n1, ...)
+    must not reach the engine's srun; the job's identity does."""
+    dump = tmp_path / "env.json"
+    shim = f"import json, os, sys; json.dump(dict(os.environ), open({str(dump)!r}, 'w'));"
+    shim += " os.execvp(sys.argv[1], sys.argv[1:])"
+    monkeypatch.setenv("TOKENMILL_LAUNCHER_PREFIX", json.dumps([sys.executable, "-c", shim]))
+    step = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_NODELIST": "127.0.0.1",
+            "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1", "SLURM_CPUS_PER_TASK": "2",
+            "SRUN_DEBUG": "3", "SBATCH_EXPORT": "ALL", "SLURM_CONF": "/etc/slurm/x.conf",
+            "SLURM_SUBMIT_DIR": "/w", "SLURM_PROCID": "0"}  # fmt: skip
+    for k, v in step.items():
+        monkeypatch.setenv(k, v)
+    gen = _gen("--nnodes", "{nnodes}", "--node-rank", "{node_rank}")
+    gen["launch"]["nnodes"] = 2
+    e = eng.ManagedEngine(gen, tmp_path)
+    asyncio.run(e.start())
+    e.stop(grace_s=5)
+    got = json.loads(dump.read_text())
+    slurm = {k: v for k, v in got.items() if k.startswith(("SLURM_", "SRUN_", "SBATCH_"))}
+    assert slurm == {
+        "SLURM_JOB_ID": "7",
+        "SLURM_CONF": "/etc/slurm/x.conf",
+        "SLURM_SUBMIT_DIR": "/w",
+    }
+    assert got["PATH"] == os.environ["PATH"]  # everything else passes through
+
+
+def test_busy_port_block_is_skipped():
+    base = eng.free_port_block(42000)
+    busy = socket.socket()
+    busy.bind(("", base + 3))  # one port inside the block is taken (bound, as by an engine)
+    try:
+        assert not eng.ports_free(base)
+        got = eng.free_port_block(base)
+        assert got >= base + eng.DIST_PORT_SPAN, got  # the whole block skipped
+        assert eng.ports_free(got)
+    finally:
+        busy.close()
+    assert eng.ports_free(base)
+
+
+def test_head_is_the_jobs_first_node_at_its_address(tmp_path, monkeypatch):
+    """Inside the rule's step SLURM_JOB_NODELIST is that step's node, SLURM_NODELIST the job's;
+    a node name that does not resolve is replaced by SLURM's NodeAddr."""
+    assert eng.head_address({"SLURM_NODELIST": "localhost"}) == "localhost"  # resolves
+    assert eng.head_address({}) == "127.0.0.1"
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = show ]; then echo tm-nores-n1; echo tm-nores-n2; exit 0; fi\n'
+        'echo "NodeName=$4 Arch=x86_64 NodeAddr=10.1.2.3 NodeHostName=$4 State=IDLE"\n'
+    )
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    env = {"SLURM_JOB_NODELIST": "tm-nores-n2", "SLURM_NODELIST": "tm-nores-n[1-2]"}
+    assert eng.head_address(env) == "10.1.2.3"
+    assert eng.task_argv(
+        ["{dist_init_addr}", "{node_rank}"], {**env, "SLURM_PROCID": "1"}, 5000
+    ) == [
+        "10.1.2.3:5000",
+        "1",
+    ]
 
 
 def test_default_launcher_is_srun(monkeypatch):

@@ -76,7 +76,7 @@ def copy_workflow(dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("Snakefile", "config.yaml", "pyproject.toml"):
         shutil.copy2(ROOT / name, dest / name)
-    for name in ("workflow", "sample", "profiles", "envs"):
+    for name in ("workflow", "sample", "profiles"):
         shutil.copytree(
             ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
         )
@@ -570,7 +570,8 @@ def test_requeued_job_restarts_under_its_id_and_resumes(faults):
 
 def test_multi_node_launch_gives_each_task_its_rank_and_the_head(pipeline, tmp_path, cluster):
     """nnodes=2 on a one-node cluster: the launcher prefix (TOKENMILL_LAUNCHER_PREFIX,
-    generate/launch.py) runs the two ranks as two tasks of one srun step on the same node."""
+    generate/launch.py) runs the two ranks as two tasks of one srun step on the same node, and
+    --set-resources keeps the job on the one node (the rule asks for nnodes nodes)."""
     workdir = fresh_copy(
         pipeline, tmp_path, ["results/generated/code/000*", "results/rejected/generate/code/000*"]
     )
@@ -584,9 +585,10 @@ def test_multi_node_launch_gives_each_task_its_rank_and_the_head(pipeline, tmp_p
     prefix = ["srun", "--overlap", "--nodes=1", "--ntasks=2", "--kill-on-bad-exit=1"]
     os.environ["TOKENMILL_LAUNCHER_PREFIX"] = json.dumps(prefix)
     try:
-        rc, out = run(
-            workdir, snakemake_cmd(300, cfg, "results/generated/code/000.parquet"), "mn", 360
-        )
+        one_node = ["--set-resources", "generate_shard:nodes=1"]
+        target = "results/generated/code/000.parquet"
+        # (after the target: --set-resources takes several values)
+        rc, out = run(workdir, snakemake_cmd(300, cfg, target, *one_node), "mn", 360)
     finally:
         del os.environ["TOKENMILL_LAUNCHER_PREFIX"]
     assert rc == 0, tail(out) + "\n" + _generate_log(workdir, "code", "000")

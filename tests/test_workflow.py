@@ -45,7 +45,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 def copy_workflow(dest: Path) -> Path:
     for name in ("Snakefile", "config.yaml", "pyproject.toml"):
         shutil.copy2(ROOT / name, dest / name)
-    for name in ("workflow", "sample", "profiles", "envs"):
+    for name in ("workflow", "sample", "profiles"):
         shutil.copytree(
             ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
         )

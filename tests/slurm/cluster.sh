@@ -15,19 +15,53 @@
 # never stopped. The script refuses to replace a /etc/slurm/slurm.conf it did not write.
 #
 # Settings (environment):
-#   TOKENMILL_SLURM_RUN   state, spool, logs, PID files, database (default /tmp/tokenmill-slurm)
-#   TOKENMILL_SLURM_GPUS  fake GPUs on the node, GRES gpu type "fake" (default 2; 0 = none)
-#   TOKENMILL_SLURM_DB_PORT  MariaDB port on 127.0.0.1 (default 3306)
+#   TOKENMILL_SLURM_RUN   state, spool, logs, PID files, database (default /tmp/tokenmill-slurm,
+#                         two-node mode /tmp/tokenmill-slurm2)
+#   TOKENMILL_SLURM_GPUS  fake GPUs per node, GRES gpu type "fake" (default 2; 0 = none)
+#   TOKENMILL_SLURM_DB_PORT  MariaDB port on 127.0.0.1 (default 3306, two-node mode 3307)
+#   TOKENMILL_SLURM_NODES 1 (default) or 2, the two-node mode below
+#   TOKENMILL_SLURM_ETC   two-node mode only: its config folder (default $RUN/etc; /etc/slurm for
+#                         real snakemake runs, whose jobstep plugin drops SLURM_CONF)
 # The cluster: ClusterName=ci, one node (this host, 127.0.0.1), partition "debug" (default),
 # accounting through slurmdbd (so `sacct`, which the snakemake plugin polls with, answers;
 # user root's account is "root").
+#
+# Two-node mode (TOKENMILL_SLURM_NODES=2): a second, separate cluster "ci2" that can run next to
+# the single-node one. Two slurmd daemons on this host (`slurmd -N n1`, `slurmd -N n2`, each
+# NodeName with its own Port=, both NodeAddr=127.0.0.1), each with TOKENMILL_SLURM_GPUS fake
+# GPUs. Its config lives in $RUN/etc (not /etc/slurm): every SLURM command against it needs
+#   export SLURM_CONF=/tmp/tokenmill-slurm2/etc/slurm.conf
+# (`cluster.sh env` prints that line). Its own MariaDB (port 3307) and slurmdbd (port 16820),
+# slurmctld on 16817, slurmd on 16818/16819. Partitions, for the preemption measurements
+# (PreemptType=preempt/partition_prio): debug (default, PriorityTier=1, PreemptMode=REQUEUE),
+# lowcancel (PriorityTier=1, PreemptMode=CANCEL), lowgrace (PriorityTier=1, PreemptMode=REQUEUE,
+# GraceTime=10) and high (PriorityTier=10, preempts the other three).
 set -euo pipefail
 
-RUN="${TOKENMILL_SLURM_RUN:-/tmp/tokenmill-slurm}"
+NODES="${TOKENMILL_SLURM_NODES:-1}"
 NGPU="${TOKENMILL_SLURM_GPUS:-2}"
-DBPORT="${TOKENMILL_SLURM_DB_PORT:-3306}"
 PART=debug
-ETC=/etc/slurm # Debian's slurm reads /etc/slurm/slurm.conf
+case "$NODES" in
+1)
+  RUN="${TOKENMILL_SLURM_RUN:-/tmp/tokenmill-slurm}"
+  DBPORT="${TOKENMILL_SLURM_DB_PORT:-3306}"
+  ETC=/etc/slurm # Debian's slurm reads /etc/slurm/slurm.conf
+  ;;
+2)
+  RUN="${TOKENMILL_SLURM_RUN:-/tmp/tokenmill-slurm2}"
+  DBPORT="${TOKENMILL_SLURM_DB_PORT:-3307}"
+  # A private config: SLURM_CONF points at it (slurmdbd.conf and gres.conf too).
+  # TOKENMILL_SLURM_ETC=/etc/slurm puts it where SLURM looks without SLURM_CONF, which a real
+  # snakemake run needs: the jobstep plugin drops SLURM_CONF before its srun (never while the
+  # single-node cluster runs: it refuses).
+  ETC="${TOKENMILL_SLURM_ETC:-$RUN/etc}"
+  export SLURM_CONF="$ETC/slurm.conf"
+  ;;
+*)
+  echo "TOKENMILL_SLURM_NODES must be 1 or 2, not '$NODES'" >&2
+  exit 2
+  ;;
+esac
 MARK="# written by tokenmill tests/slurm/cluster.sh"
 DBPASS=tokenmill-ci # MariaDB on 127.0.0.1 only, for slurmdbd
 
@@ -169,6 +203,94 @@ EOF
   log "config: $ETC/slurm.conf (CPUs=$cpus RealMemory=$mem fake GPUs=$NGPU, run dir $RUN)"
 }
 
+# Two nodes n1 and n2 on this host (NOTES.md "Two nodes on one host"), own ports and run dir.
+write_config2() {
+  mkdir -p "$RUN"/{state,spool/n1,spool/n2,log} "$ETC"
+  if [ -f "$ETC/slurm.conf" ] && ! grep -qF "$MARK" "$ETC/slurm.conf"; then
+    die "$ETC/slurm.conf exists and was not written by this script; not touching it"
+  fi
+  local host hw cpus mem topo
+  host="$(hostname -s)"
+  hw="$(slurmd -C | head -n 1)"
+  cpus="$(sed -n 's/.*CPUs=\([0-9]*\).*/\1/p' <<<"$hw")"
+  mem="$(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$hw")"
+  topo="$(grep -o 'Boards=.*ThreadsPerCore=[0-9]*' <<<"$hw" || true)"
+  mem=$((mem * 4 / 10)) # two nodes share this host's memory
+
+  local gres_types="" gres_node=""
+  if [ "$NGPU" -gt 0 ]; then
+    mkdir -p "$RUN/fakegpu"
+    for ((g = 0; g < NGPU; g++)); do ln -sfn /dev/null "$RUN/fakegpu/nvidia$g"; done
+    gres_types="GresTypes=gpu"
+    gres_node="Gres=gpu:fake:$NGPU"
+    # One line per node: each slurmd (-N n1 / -N n2) reads the line of its own name.
+    printf '%s\nNodeName=n1 Name=gpu Type=fake File=%s/fakegpu/nvidia[0-%d]\nNodeName=n2 Name=gpu Type=fake File=%s/fakegpu/nvidia[0-%d]\n' \
+      "$MARK" "$RUN" $((NGPU - 1)) "$RUN" $((NGPU - 1)) >"$ETC/gres.conf"
+  else
+    rm -f "$ETC/gres.conf"
+  fi
+
+  cat >"$ETC/slurm.conf" <<EOF
+$MARK (run dir $RUN, two-node mode)
+ClusterName=ci2
+SlurmctldHost=$host(127.0.0.1)
+SlurmctldPort=16817
+SlurmdPort=16818
+SlurmUser=root
+AuthType=auth/munge
+StateSaveLocation=$RUN/state
+SlurmdSpoolDir=$RUN/spool/%n
+SlurmctldPidFile=$RUN/slurmctld.pid
+SlurmdPidFile=$RUN/slurmd.%n.pid
+SlurmctldLogFile=$RUN/log/slurmctld.log
+SlurmdLogFile=$RUN/log/slurmd.%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+AccountingStoragePort=16820
+AccountingStorageTRES=gres/gpu
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=30
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+SchedulerType=sched/backfill
+DefMemPerCPU=500
+ReturnToService=2
+KillWait=5
+MinJobAge=300
+# Preemption by partition priority: jobs in "high" preempt jobs of the PriorityTier=1 partitions.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+$gres_types
+NodeName=n1 NodeAddr=127.0.0.1 Port=16818 CPUs=$cpus $topo RealMemory=$mem $gres_node State=UNKNOWN
+NodeName=n2 NodeAddr=127.0.0.1 Port=16819 CPUs=$cpus $topo RealMemory=$mem $gres_node State=UNKNOWN
+PartitionName=$PART Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE
+PartitionName=lowcancel Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=CANCEL
+PartitionName=lowgrace Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=10
+PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
+EOF
+
+  cat >"$ETC/slurmdbd.conf" <<EOF
+$MARK
+AuthType=auth/munge
+DbdHost=localhost
+DbdPort=16820
+SlurmUser=root
+LogFile=$RUN/log/slurmdbd.log
+PidFile=$RUN/slurmdbd.pid
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DBPORT
+StorageUser=slurm
+StoragePass=$DBPASS
+StorageLoc=slurm_acct_db2
+EOF
+  chmod 600 "$ETC/slurmdbd.conf"
+  log "config: $ETC/slurm.conf (nodes n1 n2, CPUs=$cpus RealMemory=$mem fake GPUs=$NGPU each, run dir $RUN)"
+}
+
 start_munge() {
   if [ ! -s /etc/munge/munge.key ]; then
     mungekey --create --keyfile /etc/munge/munge.key 2>/dev/null ||
@@ -212,10 +334,65 @@ start_mariadb() {
     CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY '$DBPASS';
     GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';
     GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';
+    GRANT ALL ON slurm_acct_db2.* TO 'slurm'@'127.0.0.1';
+    GRANT ALL ON slurm_acct_db2.* TO 'slurm'@'localhost';
     FLUSH PRIVILEGES;"
 }
 
 cluster_up() { timeout 5 scontrol ping 2>/dev/null | grep -q UP && timeout 5 sinfo -h -N -o %T 2>/dev/null | grep -qxE 'idle|mixed|allocated'; }
+
+# Two-node mode: both slurmd up and both nodes usable.
+SLURMDS=(slurmd.n1 slurmd.n2)
+# (completing counts: a job just cancelled must not make `status` report the cluster down)
+nodes_idle() { [ "$(timeout 5 sinfo -h -N -p "$PART" -o '%N %T' 2>/dev/null | grep -cE ' (idle|mixed|allocated|completing)$')" = 2 ]; }
+cluster2_up() { timeout 5 scontrol ping 2>/dev/null | grep -q UP && nodes_idle; }
+
+do_start2() {
+  need_root
+  installed || die "SLURM is not installed: run '$0 install' first"
+  if pid_alive slurmctld && pid_alive slurmd.n1 && pid_alive slurmd.n2 && cluster2_up; then
+    log "already running: $(sinfo -h -o '%P %a %D %T %G' | tr '\n' ';')"
+    return 0
+  fi
+  if [ "$ETC" = /etc/slurm ] && ! pid_alive slurmctld; then
+    local p
+    for p in $(pgrep -x slurmctld || true); do
+      alive "$p" && die "a slurmctld not started by this two-node cluster is running (pid $p); it may use /etc/slurm"
+    done
+  fi
+  write_config2
+  start_munge
+  start_mariadb
+  log "MariaDB up (port $DBPORT)"
+  if ! pid_alive slurmdbd; then slurmdbd; fi
+  wait_for 60 sacctmgr -n show cluster || {
+    tail -n 20 "$RUN/log/slurmdbd.log" >&2
+    die "slurmdbd did not come up"
+  }
+  log "slurmdbd up"
+  if ! pid_alive slurmctld; then slurmctld; fi
+  wait_for 30 sh -c 'scontrol ping | grep -q UP' || {
+    tail -n 20 "$RUN/log/slurmctld.log" >&2
+    die "slurmctld did not come up"
+  }
+  local n i
+  for n in n1 n2; do
+    if ! pid_alive "slurmd.$n"; then slurmd -N "$n"; fi
+  done
+  for ((i = 0; i < 150; i++)); do nodes_idle && break; sleep 0.2; done
+  if ! nodes_idle; then
+    scontrol update nodename=n1,n2 state=resume || true
+    for ((i = 0; i < 150; i++)); do nodes_idle && break; sleep 0.2; done
+    nodes_idle || {
+      sinfo -N -o '%N %T %E' >&2
+      tail -n 20 "$RUN/log/slurmd.n1.log" >&2
+      die "the nodes did not become idle"
+    }
+  fi
+  wait_for 30 sh -c 'sacctmgr -n -P show assoc format=user | grep -qx root' ||
+    die "root's association did not appear in slurmdbd"
+  log "up: $(sinfo -h -o '%P %a %D %T %G' | tr '\n' ';') (export SLURM_CONF=$SLURM_CONF)"
+}
 
 do_start() {
   need_root
@@ -291,17 +468,21 @@ do_stop() {
     done
   fi
   local d
-  for d in slurmd slurmctld slurmdbd mariadbd munged; do stop_pidfile "$d"; done
+  for d in slurmd slurmd.n1 slurmd.n2 slurmctld slurmdbd mariadbd munged; do stop_pidfile "$d"; done
   log "stopped"
 }
 
 do_status() {
-  local d s rc=0
-  for d in munged mariadbd slurmdbd slurmctld slurmd; do
+  local d s rc=0 daemons=(munged mariadbd slurmdbd slurmctld slurmd) up=cluster_up
+  if [ "$NODES" = 2 ]; then
+    daemons=(munged mariadbd slurmdbd slurmctld "${SLURMDS[@]}")
+    up=cluster2_up
+  fi
+  for d in "${daemons[@]}"; do
     if pid_alive "$d"; then s=up; else s=down; fi
     echo "$d: $s"
   done
-  if cluster_up; then
+  if $up; then
     sinfo 2>/dev/null || true
   else
     echo "cluster: not answering"
@@ -310,17 +491,20 @@ do_status() {
   return $rc
 }
 
+START=do_start
+[ "$NODES" = 2 ] && START=do_start2
 case "${1:-}" in
 install) do_install ;;
-start) do_start ;;
+start) $START ;;
 up)
   do_install
-  do_start
+  $START
   ;;
 stop) do_stop ;;
 status) do_status ;;
+env) if [ "$NODES" = 2 ]; then echo "export SLURM_CONF=$SLURM_CONF"; else echo "unset SLURM_CONF"; fi ;;
 *)
-  echo "usage: $0 install|start|up|stop|status" >&2
+  echo "usage: [TOKENMILL_SLURM_NODES=2] $0 install|start|up|stop|status|env" >&2
   exit 2
   ;;
 esac

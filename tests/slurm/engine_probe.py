@@ -7,7 +7,8 @@ It runs `tokenmill serve-reference` in-process (the real CPU engine with SGLang'
 appends one JSON line per event to the file named by TOKENMILL_PROBE_LOG (relative paths are
 relative to the engine's working directory, the workflow's directory):
 
-- `start`: pid, host, rank, head address, SLURM job id/step/restart count, CUDA_VISIBLE_DEVICES;
+- `start`: pid, host, SLURM node, rank, head address, SLURM job id/step/restart count,
+  CUDA_VISIBLE_DEVICES;
 - `request`: one per POST /generate, with a hash of its input_ids (counted by the tests);
 - `stop`: when the engine has shut down (after SIGTERM).
 
@@ -43,6 +44,7 @@ class Probe:
         self.base = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "node": _env("SLURMD_NODENAME"),  # n1/n2 share a host name on the test cluster
             "rank": rank,
             "dist_init_addr": head,
             "nnodes": nnodes,

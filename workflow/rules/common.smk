@@ -12,6 +12,8 @@ from tokenmill.config import (
     merge_dataset_config,
     outputs_config,
 )
+from tokenmill.generate import preemption
+from tokenmill.generate.resources import job_resources
 from tokenmill.keys import generation_fingerprint
 from tokenmill.tokenization.shards import shard_names
 
@@ -73,8 +75,14 @@ def category_source_files(wildcards):
     return support.local_source_files(config["categories"][wildcards.category], ".")
 
 
+def without_resources(section):
+    """A config section minus its SLURM job size: resizing jobs must not rerun their rules."""
+    return {k: v for k, v in section.items() if k != "resources"}
+
+
 def category_json(wildcards):
-    return json.dumps(config["categories"][wildcards.category], sort_keys=True)
+    category = config["categories"][wildcards.category]
+    return json.dumps(without_resources(category), sort_keys=True)
 
 
 def category_shard_count(wildcards):
@@ -121,9 +129,13 @@ def dataset_shard(wildcards):
     return res(f"dataset/{wildcards.category}/{wildcards.shard}.parquet")
 
 
-def generate_runtime(wildcards, attempt):
-    """Minutes: grows with each retry so a job killed at its time limit gets longer next time."""
-    return config["generation"]["resources"]["runtime_min"] * attempt
+def generate_resource(name):
+    """One SLURM resource of a generate job, per category and attempt (unset: None)."""
+
+    def value(wildcards, attempt):
+        return job_resources(config, wildcards.category, attempt)[name]
+
+    return value
 
 
 def all_shard_files(pattern):

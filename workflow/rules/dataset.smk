@@ -12,8 +12,6 @@ rule merge_shard:
         res("logs/merge/{category}/{shard}.log"),
     benchmark:
         res("benchmarks/merge/{category}/{shard}.tsv")
-    conda:
-        "../../envs/tokenmill.yaml"
     # The generation section comes from the environment (see common.smk); its fingerprint is
     # the rerun trigger.
     params:
@@ -37,8 +35,6 @@ rule export_jsonl:
         jsonl=res("export/{category}/{shard}.jsonl"),
     log:
         res("logs/export/{category}/{shard}.log"),
-    conda:
-        "../../envs/tokenmill.yaml"
     shell:
         "tokenmill export-jsonl --dataset {input.dataset:q} --out {output.jsonl:q} > {log:q} 2>&1"
 
@@ -50,8 +46,6 @@ rule sum_token_counts:
         counts=res("token_counts/{category}.parquet"),
     log:
         res("logs/token_counts/{category}.log"),
-    conda:
-        "../../envs/tokenmill.yaml"
     shell:
         "tokenmill draft-vocab sum --category {wildcards.category:q} --counts {input.counts:q}"
         " --out {output.counts:q} > {log:q} 2>&1"
@@ -64,8 +58,6 @@ rule sum_all_token_counts:
         counts=res("token_counts/_all.parquet"),
     log:
         res("logs/token_counts/_all.log"),
-    conda:
-        "../../envs/tokenmill.yaml"
     shell:
         "tokenmill draft-vocab sum --all --counts {input.counts:q} --out {output.counts:q}"
         " > {log:q} 2>&1"
@@ -81,8 +73,6 @@ rule draft_vocab:
         files=draft_vocab_files(),
     log:
         res("logs/draft_vocab.log"),
-    conda:
-        "../../envs/tokenmill.yaml"
     # The stop tokens and the model (the always-included ids, the target vocabulary) are in the
     # generation fingerprint; the section itself comes from the environment (see common.smk).
     params:
@@ -125,8 +115,6 @@ rule summarize_stats:
         ),
     log:
         res("logs/stats.log"),
-    conda:
-        "../../envs/tokenmill.yaml"
     # params.config (the config without operational settings) is the rerun trigger; the
     # command reads the whole resolved config from the environment (see common.smk).
     params:
@@ -146,8 +134,6 @@ rule write_dataset_card:
         card=res("dataset/README.md"),
     log:
         res("logs/card.log"),
-    conda:
-        "../../envs/tokenmill.yaml"
     params:
         config=outputs_config_json,
         results=results_dir,
@@ -163,8 +149,6 @@ rule write_provenance:
         provenance=res("provenance.json"),
     log:
         res("logs/provenance.log"),
-    conda:
-        "../../envs/tokenmill.yaml"
     # Which --configfile was given is not a rerun trigger either: the resolved config is.
     params:
         config=outputs_config_json,
@@ -182,8 +166,6 @@ rule compare_with_manifest:
         report=res("reproduce/report.json"),
     log:
         res("logs/reproduce.log"),
-    conda:
-        "../../envs/tokenmill.yaml"
     params:
         manifest=config["reproduce"] or "",
         results=results_dir,

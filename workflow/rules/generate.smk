@@ -12,15 +12,18 @@ rule generate_shard:
     benchmark:
         res("benchmarks/generate/{category}/{shard}.tsv")
     retries: 2
-    conda:
-        "../../envs/tokenmill.yaml"
     resources:
-        gpu=config["generation"]["resources"]["gpus"],
-        cpus_per_task=config["generation"]["resources"]["cpus"],
-        mem_mb=config["generation"]["resources"]["mem_mb"],
-        runtime=generate_runtime,
-        # A multi-node engine (generation.launch.nnodes > 1) needs all its nodes in one job.
-        nodes=config["generation"]["launch"]["nnodes"],
+        # tokenmill.generate.resources: the category's overrides, GPUs per node (gres and
+        # nodes for a multi-node engine), runtime and memory growing with the attempt (capped).
+        gpu=generate_resource("gpu"),
+        gpu_model=generate_resource("gpu_model"),
+        gres=generate_resource("gres"),
+        nodes=generate_resource("nodes"),
+        cpus_per_task=generate_resource("cpus_per_task"),
+        mem_mb=generate_resource("mem_mb"),
+        runtime=generate_resource("runtime"),
+        qos=generate_resource("qos"),
+        constraint=generate_resource("constraint"),
     # Rerun on what shapes the tokens only; the whole generation section and the journal's
     # location come from the environment (see common.smk): concurrency, retries, timeouts and
     # resources can change without rerunning a shard.
@@ -34,3 +37,9 @@ rule generate_shard:
         " --tokenized {input.tokenized:q} --out {output.generated:q}"
         " --rejected {output.rejected:q} --meta {output.meta:q}"
         ' --journal-dir "$TOKENMILL_JOURNAL_DIR" --log-dir {params.log_dir:q} > {log:q} 2>&1'
+
+
+# The controller (slurm executor only; never in jobs or dry runs) requeues its jobs that a
+# PreemptMode=CANCEL preemption cancelled: plugin 2.8.0 would wait for them forever.
+onstart:
+    preemption.start_for_workflow(workflow)

@@ -8,8 +8,6 @@ rule prepare_prompts:
         res("logs/prepare/{category}.log"),
     benchmark:
         res("benchmarks/prepare/{category}.tsv")
-    conda:
-        "../../envs/tokenmill.yaml"
     params:
         category=category_json,
     shell:

@@ -11,8 +11,6 @@ checkpoint tokenize_prompts:
         res("logs/tokenize/{category}.log"),
     benchmark:
         res("benchmarks/tokenize/{category}.tsv")
-    conda:
-        "../../envs/tokenmill.yaml"
     threads: workflow.cores
     params:
         tokenizer=tokenizer_json,

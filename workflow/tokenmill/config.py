@@ -147,6 +147,9 @@ def check_semantics(config: dict, basedir: str | Path = ".") -> None:
             engines.validate_launch(gen)
         except ValueError as exc:
             problems.append(f"config key 'generation.seed_policy': {exc}")
+        from tokenmill.generate import resources
+
+        problems += resources.problems(config)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 

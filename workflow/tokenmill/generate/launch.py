@@ -13,10 +13,12 @@ with both sides named), and what only the running server can tell (`EngineAPI.ch
 sampling keys its version accepts, deterministic inference for seed_policy per_sample).
 
 Multi-node (launch.nnodes > 1, inside a SLURM allocation): the command runs through
-`srun --nodes=N --ntasks=N --ntasks-per-node=1 --kill-on-bad-exit=1
+`srun --overlap --nodes=N --ntasks=N --ntasks-per-node=1 --kill-on-bad-exit=1
 python -m tokenmill.generate.launch task --argv-json ...`; each task substitutes {node_rank}
 and {dist_init_addr} from its SLURM environment and execs the engine. Requests go to node
-rank 0 (the first host of the nodelist).
+rank 0 (the first host of the job's nodelist). That srun gets a clean environment (the
+job's SLURM_* of the rule's own one-node step would confine it to that node), and the
+rendezvous ports are checked free before use (docs/cluster.md, sections 7 and 9).
 The launcher prefix is injectable (TOKENMILL_LAUNCHER_PREFIX, a JSON list) for local tests.
 """
 
@@ -45,7 +47,27 @@ from tokenmill.generate import engines
 from tokenmill.generate.engines import EngineAPI
 from tokenmill.redaction import redact, redact_argv
 
-DIST_PORT_OFFSET = 1000  # dist_init_addr port = HTTP port + this (both picked per launch)
+DIST_PORT_OFFSET = 1000  # first candidate of the dist_init_addr port: HTTP port + this
+# SGLang's rendezvous uses the --dist-init-addr port and the next ones on the head (torch
+# distributed, NCCL bootstrap, its schedulers): the whole block must be free.
+DIST_PORT_SPAN = 8
+# The jobstep plugin's keep list (snakemake-executor-plugin-slurm-jobstep 0.6.1): every other
+# SLURM_*/SRUN_*/SBATCH_* variable describes the rule's one-node step, not the job.
+SLURM_KEEP = frozenset(
+    {
+        "SLURM_JOB_ID",
+        "SLURM_JOBID",
+        "SLURM_ARRAY_JOB_ID",
+        "SLURM_ARRAY_TASK_ID",
+        "SLURM_ARRAY_TASK_MIN",
+        "SLURM_ARRAY_TASK_MAX",
+        "SLURM_ARRAY_TASK_STEP",
+        "SLURM_CLUSTER_NAME",
+        "SLURM_SUBMIT_DIR",
+        "SLURM_SUBMIT_HOST",
+        "SLURM_CONF",
+    }
+)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 SAMPLE_BYTES = 1 << 16  # read at the middle and the end of each weight file
 
@@ -60,6 +82,75 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host if host not in ("0.0.0.0", "") else "", 0))
         return s.getsockname()[1]
+
+
+def ports_free(base: int, span: int = DIST_PORT_SPAN, host: str = "") -> bool:
+    """True when every port base .. base+span-1 can be bound on `host` ("" = all interfaces)."""
+    socks = []
+    try:
+        for port in range(base, base + span):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((host, port))
+        return True
+    except OSError:
+        return False
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port_block(first: int, span: int = DIST_PORT_SPAN, tries: int = 64) -> int:
+    """The first base from `first` on (stepping by span) whose whole block is free."""
+    base = first
+    for _ in range(tries):
+        if base + span > 65535:
+            base = 20000
+        if ports_free(base, span):
+            return base
+        base += span
+    raise EngineError(f"no {span} free ports in a row from {first} (dist_init_addr)")
+
+
+def clean_slurm_env(env: dict) -> dict:
+    """The environment for the engine's srun: SLURM_*, SRUN_*, SBATCH_* removed but the
+    job's identity (SLURM_KEEP). Inherited, the rule step's SLURM_JOB_NODELIST (its single
+    node) makes srun fail with `Only allocated 1 nodes asked for 2`."""
+    prefixes = ("SLURM_", "SRUN_", "SBATCH_")
+    return {k: v for k, v in env.items() if not k.startswith(prefixes) or k in SLURM_KEEP}
+
+
+def job_nodelist(env: dict) -> str | None:
+    """The job's nodes. Inside the rule's step SLURM_JOB_NODELIST is that step's one node
+    (n1) while SLURM_NODELIST is the job's (n[1-2]); in the engine's tasks both are the job's."""
+    return env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST")
+
+
+def node_address(name: str) -> str:
+    """An address other nodes can reach `name` at: the name if it resolves, else SLURM's
+    NodeAddr (`scontrol show node`), else the name."""
+    try:
+        socket.getaddrinfo(name, None)
+        return name
+    except OSError:
+        pass
+    if shutil.which("scontrol"):
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
+            out = subprocess.run(
+                ["scontrol", "-o", "show", "node", name],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout
+            m = re.search(r"\bNodeAddr=(\S+)", out)
+            if m:
+                return m.group(1)
+    return name
+
+
+def head_address(env: dict, default: str = "127.0.0.1") -> str:
+    nodelist = job_nodelist(env)
+    return node_address(expand_nodelist(nodelist)[0]) if nodelist else default
 
 
 def substitute(template: list[str], values: dict) -> list[str]:
@@ -124,10 +215,9 @@ def launcher_prefix(nnodes: int) -> list[str]:
 
 def task_argv(argv_template: list[str], env: dict, dist_port: int) -> list[str]:
     """Per-node argv: {node_rank} from SLURM_PROCID (or SLURM_NODEID), {dist_init_addr} from
-    the first host of SLURM_JOB_NODELIST."""
+    the first host of the job's nodelist (its address when the name does not resolve)."""
     rank = env.get("SLURM_PROCID", env.get("SLURM_NODEID", "0"))
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
-    head = expand_nodelist(nodelist)[0]
+    head = head_address(env)
     return substitute(argv_template, {"node_rank": rank, "dist_init_addr": f"{head}:{dist_port}"})
 
 
@@ -339,6 +429,7 @@ class ManagedEngine:
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
         self.argv: list[str] = []
+        self.dist_port: int | None = None
         self.starts = 0
         self.server_info: dict = {}
         self.model_info: dict = {}
@@ -367,17 +458,17 @@ class ManagedEngine:
         }
         argv = substitute(list(self.launch["command"]), values)
         if nnodes > 1:
+            # Checked here, on the node where rank 0 runs (the first of the job's nodes).
+            self.dist_port = free_port_block(port + DIST_PORT_OFFSET)
             wrapper = [sys.executable, "-m", "tokenmill.generate.launch", "task"]
-            dist = ["--dist-port", str(port + DIST_PORT_OFFSET)]
+            dist = ["--dist-port", str(self.dist_port)]
             return launcher_prefix(nnodes) + wrapper + ["--argv-json", json.dumps(argv)] + dist
         return substitute(argv, {"node_rank": 0, "dist_init_addr": f"127.0.0.1:{port + 1}"})
 
     def _request_host(self) -> str:
         host = self.launch.get("host", "127.0.0.1")
-        if int(self.launch.get("nnodes", 1)) > 1:
-            nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
-            if nodelist:
-                return expand_nodelist(nodelist)[0]
+        if int(self.launch.get("nnodes", 1)) > 1 and job_nodelist(os.environ):
+            return head_address(os.environ)
         return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
     def alive(self) -> bool:
@@ -397,6 +488,8 @@ class ManagedEngine:
         self.starts += 1
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**self.api.default_env, **os.environ}
+        if int(self.launch.get("nnodes", 1)) > 1:
+            env = clean_slurm_env(env)
         env.update({k: str(v) for k, v in (self.launch.get("env") or {}).items()})
         with open(self.log_path, "ab") as logf:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S")

@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 
 from tokenmill import contracts, keys
 from tokenmill.cli import json_arg
-from tokenmill.generate import engines, journal
+from tokenmill.generate import engines, journal, shard_lock
 from tokenmill.generate.client import (
     OK,
     REASONS,
@@ -67,6 +67,7 @@ from tokenmill.generate.launch import (
     ManagedEngine,
     model_vocab_size,
 )
+from tokenmill.generate.shard_lock import ShardLocked
 from tokenmill.redaction import redact
 from tokenmill.tokenization.stage import META_NUM_SHARDS, META_STOP_TOKEN_IDS, META_STOP_TOKENS
 
@@ -679,8 +680,10 @@ def main(argv: list[str]) -> int:
         },  # fmt: skip
     }
     try:
-        rc = asyncio.run(_main_async(args, gen, tok_cfg, meta, t0))
-    except (GenerationFailed, EngineError, ValueError, OSError) as exc:
+        # One process per shard: a second job on it (a restarted controller) fails fast here.
+        with shard_lock.hold(args.journal_dir, args.category, args.shard):
+            rc = asyncio.run(_main_async(args, gen, tok_cfg, meta, t0))
+    except (GenerationFailed, EngineError, ValueError, OSError, ShardLocked) as exc:
         log.error("generate failed: %s", exc)
         return 1
     if rc == 0:

@@ -1,0 +1,147 @@
+"""`tokenmill plan` against runs whose real numbers are known: the sample data tokenized by a
+real snakemake run (prompts and prompt tokens = the tokenized shards' totals, every request
+still to send), a pilot through the fake SGLang server (its samples journaled and counted), and
+the finished pipeline (nothing left to send; the mean output length = the generated shards')."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import fake_sglang
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def env() -> dict:
+    return dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", HF_HUB_OFFLINE="1")
+
+
+def snakemake(workdir: Path, *args: str) -> None:
+    proc = subprocess.run(
+        [str(BIN / "snakemake"), "--profile", "profiles/local", "--cores", "2",
+         "--configfile", "plan.yaml", *args],
+        cwd=workdir, env=env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def plan(workdir: Path, *args: str, config: str = "plan.yaml", rc: int = 0):
+    proc = subprocess.run(
+        [str(BIN / "tokenmill"), "plan", "--configfile", config, *args],
+        cwd=workdir, env=env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == rc, proc.stdout + proc.stderr
+    if "--json" in args and rc == 0:
+        return json.loads(proc.stdout)
+    return proc.stdout + proc.stderr
+
+
+def by_category(p: dict) -> dict:
+    return {r["category"]: r for r in p["categories"]}
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory):
+    """The sample data's code (2 shards) and chat (1 shard) categories, tokenized for real."""
+    workdir = tmp_path_factory.mktemp("plan")
+    for name in ("Snakefile", "config.yaml"):
+        shutil.copy2(ROOT / name, workdir / name)
+    for name in ("workflow", "sample", "profiles"):
+        shutil.copytree(ROOT / name, workdir / name, ignore=shutil.ignore_patterns("__pycache__"))
+    cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
+    cfg["categories"] = {k: cfg["categories"][k] for k in ("code", "chat")}
+    cfg["categories"]["chat"]["shards"] = 1
+    cfg["generation"]["sampling"]["max_new_tokens"] = 32
+    cfg["generation"]["concurrency"] = 4
+    cfg["dataset"]["export_jsonl"] = False
+    (workdir / "plan.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    snakemake(workdir, "--until", "tokenize_prompts")
+    return workdir
+
+
+def tokenized_totals(workdir: Path, category: str) -> tuple[int, int]:
+    rows = tokens = 0
+    for path in sorted((workdir / "results/tokenized" / category).glob("*.parquet")):
+        table = pq.read_table(path)
+        rows += table.num_rows
+        tokens += pc.sum(pc.list_value_length(table.column("prompt_ids"))).as_py()
+    return rows, tokens
+
+
+def test_before_generation_every_prompt_is_still_to_send(tokenized):
+    p = by_category(plan(tokenized, "--json"))
+    for cat, shards in (("code", 2), ("chat", 1)):
+        rows, tokens = tokenized_totals(tokenized, cat)
+        r = p[cat]
+        assert (r["prompts"], r["prompt_tokens"], r["shards"]) == (rows, tokens, shards), r
+        assert r["to_send"] == rows > 0 and r["journaled"] == 0, r
+        assert r["output_source"] == "max_new_tokens (upper bound)"
+        assert r["expected_output_tokens"] == rows * 32
+        assert r["gpu_hours"] is None  # no throughput given
+    text = plan(tokenized, "--throughput", "100")
+    assert "category" in text and "GPU h" in text and "total" in text, text
+    t = by_category(plan(tokenized, "--throughput", "100", "--json"))["code"]
+    assert t["job_hours"] == round(t["expected_output_tokens"] / 100 / 3600, 3)
+
+
+def test_pilot_journals_its_samples_and_measures_them(tokenized, tmp_path):
+    workdir = tmp_path / "wf"
+    shutil.copytree(tokenized, workdir, symlinks=True)
+    cfg = yaml.safe_load((workdir / "plan.yaml").read_text())
+    counter = tmp_path / "requests.jsonl"
+    cfg["generation"]["launch"]["command"] = [
+        "{python}", fake_sglang.FAKE, "--model-path", "{model}", "--host", "{host}",
+        "--port", "{port}", "--counter-file", str(counter),
+    ]  # fmt: skip
+    (workdir / "pilot.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    before = by_category(plan(workdir, "--json", config="pilot.yaml"))
+    p = plan(workdir, "--pilot", "3", "--json", config="pilot.yaml")
+    assert fake_sglang.count_requests(counter) == 6 and p["pilot"]["requests"] == 6
+    assert p["throughput_source"] == "pilot" and p["throughput_tok_s"] > 0
+    for cat, r in by_category(p).items():
+        assert r["output_source"] == "pilot n=3", r
+        assert r["to_send"] == before[cat]["to_send"] - 3 and r["journaled"] == 3, r
+        assert r["gpu_hours"] is not None
+    # The next plan reads the pilot's samples from the journal: nothing is paid twice.
+    after = by_category(plan(workdir, "--json", config="pilot.yaml"))
+    assert {c: (r["journaled"], r["output_source"]) for c, r in after.items()} == {
+        "code": (3, "journal n=3"),
+        "chat": (3, "journal n=3"),
+    }
+
+
+def test_after_the_run_nothing_is_left_and_lengths_are_measured(tokenized):
+    snakemake(tokenized)
+    p = by_category(plan(tokenized, "--json"))
+    for cat in ("code", "chat"):
+        rows, tokens = tokenized_totals(tokenized, cat)
+        lengths = []
+        for path in (tokenized / "results/generated" / cat).glob("*.parquet"):
+            lengths += pc.list_value_length(pq.read_table(path).column("output_ids")).to_pylist()
+        r = p[cat]
+        assert (r["prompts"], r["prompt_tokens"], r["to_send"]) == (rows, tokens, 0), r
+        assert r["journaled"] == rows and r["expected_output_tokens"] == 0, r
+        assert r["output_source"] == f"journal n={len(lengths)}", r
+        assert r["mean_output_tokens"] == round(sum(lengths) / len(lengths), 1), r
+
+
+def test_bad_arguments_and_config_fail_clearly(tokenized, tmp_path):
+    out = plan(tokenized, "--throughput", "-1", rc=2)
+    assert "--throughput must be a positive number" in out
+    cfg = yaml.safe_load((tokenized / "plan.yaml").read_text())
+    cfg["generation"]["resources"]["gpus"] = "eight"
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg))
+    out = plan(tokenized, config=str(tmp_path / "bad.yaml"), rc=1)
+    assert "config key 'generation.resources.gpus'" in out, out

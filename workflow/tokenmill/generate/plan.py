@@ -1,0 +1,319 @@
+"""`tokenmill plan`: what the generate stage will cost, before it is paid for.
+
+    tokenmill plan [--configfile config.yaml] [--throughput TOK_S] [--pilot N] [--json]
+
+Per category, from the tokenized shards and the journal (the same keys `tokenmill generate`
+computes, read through generate/journal.py's public functions):
+
+    prompts, prompt tokens, shards (tokenized/configured), requests still to send, the mean
+    output length and where it comes from, the expected output tokens, job hours, GPU-hours
+
+Output length, best source first: a pilot of this invocation (`--pilot N`: N prompts per
+category not yet journaled, chosen by sample key, i.e. a seeded hash order, generated with the
+configured engine and sampling; their samples go to the journal, so the run does not pay for
+them again), else the samples already in the journal (a measured distribution), else
+`sampling.max_new_tokens` (an upper bound). Throughput (output tokens per second of ONE generate
+job's engine): `--throughput`, else what the pilot measured (a lower bound: a pilot of a few
+requests does not fill the engine's batch the way a shard does). Job hours = tokens to generate /
+throughput; GPU-hours = job hours x GPUs per job (gpus x nnodes). Engine start-up (once per job)
+is not included. The largest shard's hours are compared with generation.resources.runtime_min.
+
+Run it before submitting (the tokenize stage must have run: `snakemake --until
+tokenize_prompts ...`); a dry run cannot show it, because the generate jobs are behind the
+tokenize checkpoint. `--pilot` starts the engine where it runs: in managed mode run it inside a
+GPU allocation (`srun --gres=gpu:8 ... tokenmill plan --pilot 64`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from tokenmill import keys
+from tokenmill.config import ConfigError, load_config
+from tokenmill.generate import journal
+from tokenmill.generate.resources import category_resources, gpus_per_job
+from tokenmill.tokenization.shards import shard_names
+
+log = logging.getLogger("tokenmill.plan")
+
+
+class CategoryPlan:
+    """One category's shards, keys and journal state."""
+
+    def __init__(self, config: dict, category: str, basedir: Path):
+        from tokenmill.generate.stage import Shard  # keys exactly as generate computes them
+
+        gen = config["generation"]
+        self.category = category
+        self.fingerprint = keys.generation_fingerprint(gen)
+        results = basedir / config["results_dir"]
+        self.journal_dir = basedir / config["journal_dir"]
+        names = shard_names(config["categories"][category]["shards"])
+        self.shards_configured = len(names)
+        self.prompts = self.prompt_tokens = 0
+        self.shards: dict[str, list] = {}  # shard -> [(Item, ...)] still to send
+        self.wanted: dict[str, str] = {}  # key -> shard
+        self.items: dict[str, object] = {}
+        for name in names:
+            path = results / "tokenized" / category / f"{name}.parquet"
+            if not path.exists():
+                continue
+            shard = Shard(str(path), self.fingerprint, gen.get("seed_policy", "none"))
+            self.prompts += len(shard)
+            ntok = pq.read_table(path, columns=["num_prompt_tokens"]).column(0)
+            self.prompt_tokens += int(pc.sum(ntok).as_py() or 0)
+            self.shards[name] = []
+            for i in range(len(shard)):
+                if len(shard.ids(i)) and shard.keys[i] not in self.wanted:
+                    self.wanted[shard.keys[i]] = name
+                    self.items[shard.keys[i]] = shard.item(i)
+        self.records: dict = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.records, _ = journal.load(self.journal_dir, self.category, self.wanted)
+
+    @property
+    def tokenized(self) -> int:
+        return len(self.shards)
+
+    def to_send(self) -> dict[str, list]:
+        out: dict[str, list] = {name: [] for name in self.shards}
+        for key, name in self.wanted.items():
+            if key not in self.records:
+                out[name].append(self.items[key])
+        return out
+
+    def output_lengths(self) -> list[int]:
+        return [
+            len(r.get("output_ids") or []) for r in self.records.values() if r.get("status") == "ok"
+        ]
+
+
+def _row(cp: CategoryPlan, config: dict, throughput: float | None, pilot: dict | None) -> dict:
+    gen = config["generation"]
+    todo = cp.to_send()
+    n_send = sum(len(v) for v in todo.values())
+    lengths = (pilot or {}).get("lengths") or []
+    if lengths:
+        source = f"pilot n={len(lengths)}"
+    else:
+        lengths = cp.output_lengths()
+        source = f"journal n={len(lengths)}" if lengths else "max_new_tokens (upper bound)"
+    mean_out = sum(lengths) / len(lengths) if lengths else float(gen["sampling"]["max_new_tokens"])
+    res = category_resources(config, cp.category)
+    row = {
+        "category": cp.category,
+        "prompts": cp.prompts,
+        "prompt_tokens": cp.prompt_tokens,
+        "shards": cp.shards_configured,
+        "shards_tokenized": cp.tokenized,
+        "journaled": len(cp.records),
+        "to_send": n_send,
+        "mean_output_tokens": round(mean_out, 1),
+        "output_source": source,
+        "expected_output_tokens": round(n_send * mean_out),
+        "gpus_per_job": gpus_per_job(config, cp.category),
+        "runtime_min": int(res["runtime_min"]),
+        "job_hours": None,
+        "gpu_hours": None,
+        "largest_shard_min": None,
+    }
+    if throughput:
+        row["job_hours"] = round(row["expected_output_tokens"] / throughput / 3600, 3)
+        row["gpu_hours"] = round(row["job_hours"] * row["gpus_per_job"], 3)
+        biggest = max((len(v) for v in todo.values()), default=0)
+        row["largest_shard_min"] = round(biggest * mean_out / throughput / 60, 1)
+    return row
+
+
+def make_plan(config: dict, basedir: Path, throughput: float | None, pilot_n: int = 0) -> dict:
+    plans = {c: CategoryPlan(config, c, basedir) for c in sorted(config["categories"])}
+    pilot = run_pilot(config, basedir, plans, pilot_n) if pilot_n else None
+    measured = (pilot or {}).get("throughput")
+    used = throughput or measured
+    rows = [_row(p, config, used, (pilot or {}).get(c)) for c, p in plans.items()]
+    warnings = []
+    for r in rows:
+        if r["shards_tokenized"] < r["shards"]:
+            warnings.append(
+                f"{r['category']}: {r['shards_tokenized']} of {r['shards']} shards tokenized; "
+                "run `snakemake --until tokenize_prompts` first for the full numbers"
+            )
+        if r["largest_shard_min"] and r["largest_shard_min"] > r["runtime_min"]:
+            warnings.append(
+                f"{r['category']}: the largest shard needs ~{r['largest_shard_min']:.0f} min of "
+                f"generation at {used:.0f} tok/s, more than runtime_min={r['runtime_min']}: "
+                "more shards, or a longer runtime for this category (categories.X.resources)"
+            )
+    return {
+        "throughput_tok_s": used,
+        "throughput_source": "--throughput" if throughput else ("pilot" if measured else None),
+        "pilot": {k: v for k, v in (pilot or {}).items() if k in ("requests", "wall_s")} or None,
+        "categories": rows,
+        "warnings": warnings,
+    }
+
+
+COLUMNS = [
+    ("category", "category"),
+    ("prompts", "prompts"),
+    ("prompt_tokens", "prompt tok"),
+    ("shards", "shards"),
+    ("to_send", "to send"),
+    ("mean_output_tokens", "mean out"),
+    ("output_source", "out from"),
+    ("expected_output_tokens", "exp. out tok"),
+    ("job_hours", "job h"),
+    ("gpu_hours", "GPU h"),
+]
+
+
+def format_table(plan: dict) -> str:
+    rows = plan["categories"]
+    total = {"category": "total", "output_source": ""}
+    for key in ("prompts", "prompt_tokens", "to_send", "expected_output_tokens"):
+        total[key] = sum(r[key] for r in rows)
+    total["shards"] = sum(r["shards"] for r in rows)
+    for key in ("job_hours", "gpu_hours"):
+        vals = [r[key] for r in rows]
+        total[key] = round(sum(vals), 3) if all(v is not None for v in vals) else None
+    total["mean_output_tokens"] = ""
+
+    def cell(r, key):
+        v = r.get(key)
+        if key == "shards" and "shards_tokenized" in r and r["shards_tokenized"] != r["shards"]:
+            return f"{r['shards_tokenized']}/{r['shards']}"
+        return "-" if v is None else str(v)
+
+    table = [[title for _, title in COLUMNS]]
+    table += [[cell(r, k) for k, _ in COLUMNS] for r in [*rows, total]]
+    widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i in (0, 6) else c.rjust(w)
+            for i, (c, w) in enumerate(zip(line, widths, strict=True))
+        )
+        for line in table
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    tput = plan["throughput_tok_s"]
+    lines.append(
+        f"throughput: {tput:.1f} output tok/s per generate job ({plan['throughput_source']})"
+        if tput
+        else "throughput: not given (--throughput TOK_S, or --pilot N): no hours"
+    )
+    lines += [f"warning: {w}" for w in plan["warnings"]]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- pilot
+
+
+def run_pilot(config: dict, basedir: Path, plans: dict, n: int) -> dict:
+    """Generate up to n not-yet-journaled prompts per category with the configured engine
+    (one engine for all categories), journal them, measure lengths and throughput."""
+    return asyncio.run(_pilot(config, basedir, plans, n))
+
+
+async def _pilot(config: dict, basedir: Path, plans: dict, n: int) -> dict:
+    from tokenmill.generate import engines
+    from tokenmill.generate.client import Client, ClientOptions, Stats
+    from tokenmill.generate.launch import ExternalEngines, ManagedEngine
+    from tokenmill.generate.stage import _api_key, resolve_stop_ids
+
+    gen = config["generation"]
+    api = engines.for_config(gen)
+    engines.validate(gen)
+    chosen = []  # (category, shard, item)
+    for cat, cp in plans.items():
+        todo = [(name, it) for name, items in cp.to_send().items() for it in items]
+        todo.sort(key=lambda x: x[1].key)  # sample keys are hashes: a seeded, stable sample
+        chosen += [(cat, name, it) for name, it in todo[:n]]
+    if not chosen:
+        return {}
+    api_key = _api_key(gen)
+    stop_ids = resolve_stop_ids(gen, config["tokenizer"], str(basedir))
+    opts = ClientOptions.from_config(gen, stop_ids, api_key)
+    managed = gen.get("mode", "managed") == "managed"
+    log_dir = basedir / config["results_dir"] / "logs" / "plan"
+    engine = (
+        ManagedEngine(gen, log_dir, basedir, api_key, api=api)
+        if managed
+        else ExternalEngines(gen, api_key, api=api)
+    )
+    where = {it.key: (cat, name) for cat, name, it in chosen}
+    writers: dict = {}
+    lengths: dict[str, list[int]] = {cat: [] for cat in plans}
+
+    def on_record(rec: dict) -> None:
+        cat, name = where[rec["key"]]
+        if (cat, name) not in writers:
+            writers[cat, name] = journal.JournalWriter(plans[cat].journal_dir, cat, name)
+        writers[cat, name].append(rec)
+        if rec.get("status") == "ok":
+            lengths[cat].append(len(rec.get("output_ids") or []))
+
+    stats = Stats()
+    try:
+        await engine.start()
+        urls = [engine.url] if managed else engine.urls
+        client = Client(urls, opts, on_record, engine.alive if managed else None, stats, api=api)
+        t0 = time.monotonic()
+        await client.run([it for _, _, it in chosen])
+        wall = time.monotonic() - t0
+    finally:
+        for w in writers.values():
+            w.close()
+        engine.stop()
+    for cp in plans.values():
+        cp.refresh()
+    out: dict = {cat: {"lengths": v} for cat, v in lengths.items()}
+    out.update(
+        requests=len(chosen),
+        wall_s=round(wall, 3),
+        throughput=stats.output_tokens / wall if wall > 0 and stats.output_tokens else None,
+    )
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="tokenmill plan", description=__doc__.split("\n")[0])
+    p.add_argument("--configfile", default="config.yaml")
+    p.add_argument("--basedir", default=".")
+    p.add_argument(
+        "--throughput", type=float, help="output tokens per second of one generate job's engine"
+    )
+    p.add_argument("--pilot", type=int, default=0, metavar="N", help="pilot N prompts/category")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    a = p.parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(levelname)s %(message)s")
+    logging.getLogger("aiohttp").setLevel(logging.WARNING)
+    if a.throughput is not None and not (a.throughput > 0 and math.isfinite(a.throughput)):
+        p.error("--throughput must be a positive number")
+    basedir = Path(a.basedir)
+    try:
+        config = load_config(a.configfile, basedir)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    from tokenmill.generate.client import GenerationFailed
+    from tokenmill.generate.launch import EngineError
+
+    try:
+        plan = make_plan(config, basedir, a.throughput, a.pilot)
+    except (EngineError, GenerationFailed, ValueError, OSError) as exc:
+        print(f"tokenmill plan: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(plan, indent=2) if a.json else format_table(plan))
+    return 0
