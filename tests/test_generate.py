@@ -684,7 +684,8 @@ seen = [0]
 
 def killing(fn):
     def inner(*a, **k):
-        if str(a[0]).startswith(jdir):
+        # the journal's own files: the shard lock ({shard}.lock) is not part of compaction
+        if str(a[0]).startswith(jdir) and ".lock" not in str(a[0]):
             seen[0] += 1
             if seen[0] == n:  # the nth rename or delete in the journal: die before it
                 os.kill(os.getpid(), signal.SIGKILL)
