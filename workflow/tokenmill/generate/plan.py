@@ -62,6 +62,7 @@ class CategoryPlan:
         self.shards_configured = len(names)
         self.prompts = self.prompt_tokens = 0
         self.shards: dict[str, list] = {}  # shard -> [(Item, ...)] still to send
+        self.shard_metadata: dict = {}  # one tokenized shard's metadata (stop token ids)
         self.wanted: dict[str, str] = {}  # key -> shard
         self.items: dict[str, object] = {}
         for name in names:
@@ -69,6 +70,8 @@ class CategoryPlan:
             if not path.exists():
                 continue
             shard = Shard(str(path), self.fingerprint, gen.get("seed_policy", "none"))
+            # Stop tokens as ids (tokenize resolved them into every shard's metadata).
+            self.shard_metadata = shard.metadata
             self.prompts += len(shard)
             ntok = pq.read_table(path, columns=["num_prompt_tokens"]).column(0)
             self.prompt_tokens += int(pc.sum(ntok).as_py() or 0)
@@ -243,14 +246,15 @@ async def _pilot(config: dict, basedir: Path, plans: dict, n: int) -> dict:
     if not chosen:
         return {}
     api_key = _api_key(gen)
-    stop_ids = resolve_stop_ids(gen, config["tokenizer"], str(basedir))
+    shard_meta = next((cp.shard_metadata for cp in plans.values() if cp.shard_metadata), {})
+    stop_ids, _ = resolve_stop_ids(gen, config["tokenizer"], str(basedir), shard_meta)
     opts = ClientOptions.from_config(gen, stop_ids, api_key)
     managed = gen.get("mode", "managed") == "managed"
     log_dir = basedir / config["results_dir"] / "logs" / "plan"
     engine = (
         ManagedEngine(gen, log_dir, basedir, api_key, api=api)
         if managed
-        else ExternalEngines(gen, api_key, api=api)
+        else ExternalEngines(gen, api_key, api=api, basedir=basedir)
     )
     where = {it.key: (cat, name) for cat, name, it in chosen}
     writers: dict = {}
