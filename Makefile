@@ -23,6 +23,13 @@ demo: $(VENV)/.installed
 # The whole test suite (lint and format checks included).
 test: $(VENV)/.installed
 	$(BIN)/pytest -q
+	# The two-node runs through the real SLURM plugin need the two-node cluster's config in
+	# /etc/slurm, where the session above keeps its single-node cluster: a session of their own
+	# (as root; tests/test_slurm_multinode.py skips them elsewhere).
+	if [ "$$(id -u)" = 0 ]; then \
+		TOKENMILL_SLURM_NODES=2 TOKENMILL_SLURM_ETC=/etc/slurm \
+		$(BIN)/pytest -q -m slurm tests/test_slurm_multinode.py; \
+	fi
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
