@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from test_merge import python_loss_counts  # the plain recount, shared with the merge tests
 
 from tokenmill.tokenization.shards import shard_of
 
@@ -166,17 +167,6 @@ def test_full_pipeline_outputs(finished_run):
     assert not (results / "journal").exists()
     for name in ("d2t.npy", "t2d.npy", "vocab_mapping.pt", "vocab_mapping.json"):
         assert (results / "dataset" / "vocab_mapping" / name).exists(), name
-
-
-def python_loss_counts(dataset: Path) -> dict[int, int]:
-    """A plain recount: every id at a loss_mask == 1 position of a merged shard."""
-    t = pq.read_table(dataset, columns=["input_ids", "loss_mask"])
-    counts: dict[int, int] = {}
-    for ids, mask in zip(t["input_ids"].to_pylist(), t["loss_mask"].to_pylist(), strict=True):
-        for tok, m in zip(ids, mask, strict=True):
-            if m == 1:
-                counts[tok] = counts.get(tok, 0) + 1
-    return counts
 
 
 def check_counts_match_the_dataset(results: Path) -> dict[int, int]:
