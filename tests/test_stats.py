@@ -341,6 +341,20 @@ def test_unknown_is_null_never_a_made_up_number(tmp_path):
     assert g["gpus"] == 2 and g["gpu_hours"] == pytest.approx(15.0 * 2 / 3600, abs=1e-6)
     assert g["output_tokens_per_gpu_hour"] == pytest.approx(6 / (10.0 * 2 / 3600), rel=1e-4)
 
+    # One engine on 2 nodes of 4 GPUs each, and a category whose jobs ask for 1 GPU per node:
+    # a job's GPUs are per node x nodes, and the overall GPU-hours add the categories up.
+    config["generation"] = dict(GEN_CFG, mode="managed", resources={"gpus": 4},
+                                launch={"nnodes": 2})  # fmt: skip
+    config["categories"] = {"chat": {}, "code": {"resources": {"gpus": 1}}}
+    s = _stats(r, config, tmp_path)
+    chat, code = (s["categories"][c]["generation"] for c in ("chat", "code"))
+    assert (chat["gpus"], code["gpus"]) == (8, 2)
+    assert chat["gpu_hours"] == pytest.approx(15.0 * 8 / 3600, abs=1e-6)
+    assert code["gpu_hours"] == pytest.approx(20.0 * 2 / 3600, abs=1e-6)
+    o = s["overall"]["generation"]
+    assert o["gpus"] == "mixed"
+    assert o["gpu_hours"] == pytest.approx((15.0 * 8 + 20.0 * 2) / 3600, abs=1e-6)
+
 
 def test_unterminated_reasoning_is_counted_as_reasoning(tmp_path):
     """<think> = 3, </think> = 4. p: the template opened the block (Kimi), the output never

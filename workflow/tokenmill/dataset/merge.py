@@ -407,8 +407,11 @@ def merge_conversation_shard(
     its turns up to the first invalid one (later turns were built on it and are rejected with
     the same reason). A prefix-exact conversation becomes ONE row, its last kept turn's
     prompt + output, with loss_mask 1 over every kept turn's output; otherwise each kept turn
-    is a row (prompt_id repeats; sample_key is unique). Conservation: tokenized conversations
-    = conversations with a dataset row + conversations rejected whole here + generate's."""
+    is a row (prompt_id repeats; sample_key is unique).
+
+    Counted in conversations (records_*: in = conversations generated + not_generated = kept,
+    those with a dataset row, + rejected, those without; tokenized conversations = in +
+    generate's rejected) and in turns (turns_*: generated turn rows = kept + rejected)."""
     res = MergeResult()
     tok_pids = _read_scalar(tokenized, ["prompt_id"]).column("prompt_id").to_pylist()
     gen = pq.read_table(generated)
@@ -503,21 +506,31 @@ def merge_conversation_shard(
         rej.append({"stage": "merge", "category": category, "reason": "not_generated",
                     "detail": validate.describe("not_generated"),
                     "source": f"{category}/{shard}", "prompt_id": pid})  # fmt: skip
-    whole_rejected = len(known - gen_rej) - kept_convs
-    if whole_rejected < 0:
-        raise ConservationError(f"{category}/{shard}: more conversations kept than tokenized")
+    res.not_generated = len(known - set(by_conv) - gen_rej)
+    convs_in = len(by_conv) + res.not_generated
+    if len(known) != convs_in + len(gen_rej & known) or kept_convs > convs_in:
+        raise ConservationError(
+            f"{category}/{shard}: {len(known)} tokenized conversations != {len(by_conv)} "
+            f"generated + {res.not_generated} not generated + {len(gen_rej & known)} rejected "
+            "by generate"
+        )
+    turns_rejected = sum(1 for r in rej if r["reason"] != "not_generated")
     res.kept, res.rejected = len(rows), len(rej)
     res.reasons = dict(sorted(collections.Counter(r["reason"] for r in rej).items()))
     meta = {
         contracts.META_CATEGORY: category,
         contracts.META_SHARD: shard,
         contracts.META_CONTEXT: "regenerated",
-        META_RECORDS_IN: str(res.generated),
-        META_RECORDS_KEPT: str(res.kept),
-        META_RECORDS_REJECTED: str(res.rejected),
-        "tokenmill.conversations": str(len(known)),
-        "tokenmill.conversations_kept": str(kept_convs),
-        # one sample per conversation (prefix-exact) vs one per turn
+        # conversations: in = kept (a dataset row) + rejected (none)
+        META_RECORDS_IN: str(convs_in),
+        META_RECORDS_KEPT: str(kept_convs),
+        META_RECORDS_REJECTED: str(convs_in - kept_convs),
+        "tokenmill.not_generated": str(res.not_generated),
+        # turns: generated turn rows = kept (under the loss mask) + rejected
+        "tokenmill.turns_in": str(res.generated),
+        "tokenmill.turns_kept": str(res.generated - turns_rejected),
+        "tokenmill.turns_rejected": str(turns_rejected),
+        # samples (rows): one per prefix-exact conversation, one per turn otherwise
         "tokenmill.conversation_samples": str(exact_kept),
         "tokenmill.turn_samples": str(len(rows) - exact_kept),
     }

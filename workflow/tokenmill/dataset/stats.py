@@ -20,13 +20,20 @@ summary.json (keys sorted; "schema": "tokenmill.stats/1"):
       token_coverage: loss_tokens, distinct_ids, vocab_size, top_n [{n, ids, capped, share}],
                   ids_for_share {0.9|0.95|0.99|0.999: ids}   (draft_vocab.coverage_view, from
                   results/token_counts/{category}.parquet and _all.parquet; absent without them)
+      conversations (categories with `context: regenerated`, docs/multi-turn.md; the stages
+                  above count conversations there):
+          conversations, prefix_exact, turns_in_data, turns_answered, turns_generated,
+          turns_not_asked (after the conversation ended), ends {complete|tool_call_diverged|..: n},
+          turns_kept, turns_rejected, turn_reasons {code: n}, samples, conversation_samples,
+          turn_samples
     conservation: ok, problems [..]
 
 Unknown is null (JSON) and "unknown" (tables), never a made-up number:
 - prefix cache: only samples whose engine reported cached tokens count (vLLM does not report
   them unless started with --enable-prompt-tokens-details); none reporting -> hit_rate null.
-- GPU-hours: wall time x generation.resources.gpus, for managed engines on GPUs only; external
-  servers (their GPUs are not ours to count) and CPU runs (gpus 0) -> null.
+- GPU-hours: wall time x the GPUs of one generate job (the category's resources.gpus per node
+  x generation.launch.nnodes), for managed engines on GPUs only; external servers (their GPUs
+  are not ours to count) and CPU runs (gpus 0) -> null.
 - reasoning: with dataset.think_end_token set, an output without the think-end token is
   reasoning that never ended ("unterminated") when a thinking block was open: the prompt's
   chat template ended inside one (Kimi-K2.5) or the output opened one (Qwen3). Its tokens
@@ -82,6 +89,8 @@ TIMING_SUMS = (
     "timed_out",
     "timed_shards",
     "shards",
+    "gpu_s",
+    "timed_gpu_s",
 )
 COVERAGE_PLOT = "token_coverage.png"
 
@@ -110,6 +119,8 @@ def _reasons(files) -> dict[str, int]:
 
 def _stage(out_files, rej_files, in_key="tokenmill.records_in", repeated_total=False):
     kept, rejected = _rows(out_files), _rows(rej_files)
+    if out_files and is_conversation_category(out_files):
+        return _conversation_stage(out_files, rej_files)
     ins = _int_meta(out_files, in_key) if out_files else None
     value = None
     if ins:
@@ -123,6 +134,84 @@ def _stage(out_files, rej_files, in_key="tokenmill.records_in", repeated_total=F
         "reasons": _reasons(rej_files),
         "in_source": "metadata" if value is not None else "inferred",
     }
+
+
+def is_conversation_category(files) -> bool:
+    return contracts.read_metadata(files[0]).get(contracts.META_CONTEXT) == "regenerated"
+
+
+def _conversation_stage(out_files, rej_files) -> dict:
+    """A stage of a `context: regenerated` category, in conversations. Generate writes a row per
+    turn (kept: conversations with a generated turn) and a rejected row per conversation; merge
+    writes its conversation counts into the metadata and a rejected row per turn (a
+    conversation's reason: that of its first rejected row, when none of its turns was kept)."""
+    ins = _int_meta(out_files, "tokenmill.records_in")
+    stage = contracts.read_metadata(out_files[0]).get("tokenmill.stage")
+    if stage == "merge":
+        kept = sum(_int_meta(out_files, "tokenmill.records_kept") or [0])
+        kept_pids = _pids(out_files)
+        reasons: dict[str, int] = {}
+        for f in rej_files:
+            t = pq.read_table(f, columns=["prompt_id", "reason"]).to_pylist()
+            for pid, reason in {r["prompt_id"]: r["reason"] for r in reversed(t)}.items():
+                if pid not in kept_pids:
+                    reasons[reason] = reasons.get(reason, 0) + 1
+        rejected = sum(reasons.values())
+    else:
+        kept = len(_pids(out_files))
+        rejected, reasons = _rows(rej_files), _reasons(rej_files)
+    return {
+        "in": sum(ins) if ins else None,
+        "kept": kept,
+        "rejected": rejected,
+        "reasons": dict(sorted(reasons.items())),
+        "in_source": "metadata" if ins else "inferred",
+    }
+
+
+def _pids(files) -> set[str]:
+    return {p for f in files for p in pq.read_table(f, columns=["prompt_id"]).column(0).to_pylist()}
+
+
+def _conversations(tokenized, generated, dataset, merge_rej, metas) -> dict | None:
+    """The turn-level counts of a `context: regenerated` category (None for other categories):
+    from the generate jobs' meta (turns in the data, how each conversation ended), the
+    generated turn rows, and merge's metadata and rejected turn rows."""
+    if not tokenized or not is_conversation_category(tokenized):
+        return None
+    counts = [m.get("counts") or {} for m in metas]
+    ends: dict[str, int] = {}
+    for c in counts:
+        for k, v in (c.get("conversation_ends") or {}).items():
+            ends[k] = ends.get(k, 0) + v
+    total, answered = (sum(c.get(k, 0) for c in counts) for k in ("turns_total", "turns_answered"))
+    turn_reasons = {
+        k: v for k, v in _reasons(merge_rej).items() if k != "not_generated"
+    }  # fmt: skip
+
+    def meta_sum(key):
+        return sum(_int_meta(dataset, key) or [0]) if dataset else 0
+
+    return {
+        "conversations": _rows(tokenized),
+        "prefix_exact": sum(c.get("prefix_exact_conversations", 0) for c in counts),
+        "turns_in_data": total,
+        "turns_answered": answered,
+        "turns_generated": _rows(generated),
+        "turns_not_asked": total - answered,
+        "ends": dict(sorted(ends.items())),
+        "turns_kept": meta_sum("tokenmill.turns_kept"),
+        "turns_rejected": meta_sum("tokenmill.turns_rejected"),
+        "turn_reasons": dict(sorted(turn_reasons.items())),
+        "samples": _rows(dataset),
+        "conversation_samples": meta_sum("tokenmill.conversation_samples"),
+        "turn_samples": meta_sum("tokenmill.turn_samples"),
+    }
+
+
+CONVERSATION_SUMS = ("conversations", "prefix_exact", "turns_in_data", "turns_answered",
+                     "turns_generated", "turns_not_asked", "turns_kept", "turns_rejected",
+                     "samples", "conversation_samples", "turn_samples")  # fmt: skip
 
 
 def distribution(values: np.ndarray) -> dict:
@@ -306,13 +395,15 @@ def _category(results: Path, cat: str, gpus: int | None, think: ThinkTokens):
         stages["tokenize"] = _stage(tokenized, tok_rej, repeated_total=True)
     if generated:
         stages["generate"] = _stage(generated, sorted((rej / "generate" / cat).glob("*.parquet")))
+    merge_rej = sorted((rej / "merge" / cat).glob("*.parquet"))
     if dataset:
-        stages["merge"] = _stage(dataset, sorted((rej / "merge" / cat).glob("*.parquet")))
+        stages["merge"] = _stage(dataset, merge_rej)
         stages["merge"]["not_generated"] = sum(_int_meta(dataset, "tokenmill.not_generated") or [0])
 
     finish: dict[str, int] = {}
     cache = {"samples": 0, "samples_reporting": 0, "cached_tokens": 0, "prompt_tokens": 0}
     timing = dict.fromkeys(TIMING_SUMS, 0)
+    metas = []
     for f in generated:
         t = pq.read_table(
             f, columns=["finish_type", "cached_tokens", "prompt_tokens", "completion_tokens"]
@@ -331,8 +422,10 @@ def _category(results: Path, cat: str, gpus: int | None, think: ThinkTokens):
         out = int(pc.sum(t.column("completion_tokens")).as_py() or 0)
         meta_path = f.with_name(f.name[: -len(".parquet")] + ".meta.json")
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        metas.append(meta)
         wall, gen_s = _wall_time(meta), _generation_time(meta)
         timing["wall"] += wall
+        timing["gpu_s"] += wall * (gpus or 0)
         timing["gen"] += gen_s
         timing["out"] += out
         timing["shards"] += 1
@@ -342,6 +435,7 @@ def _category(results: Path, cat: str, gpus: int | None, think: ThinkTokens):
             timing["timed_gen"] += gen_s
             timing["timed_out"] += out
             timing["timed_shards"] += 1
+            timing["timed_gpu_s"] += wall * (gpus or 0)
 
     raw, reasoning = _lengths(dataset, think)
     summary = {
@@ -352,6 +446,9 @@ def _category(results: Path, cat: str, gpus: int | None, think: ThinkTokens):
         "prefix_cache": _cache(cache),
         "generation": _throughput(timing, gpus),
     }
+    conversations = _conversations(tokenized, generated, dataset, merge_rej, metas)
+    if conversations is not None:
+        summary["conversations"] = conversations
     return summary, raw, timing
 
 
@@ -369,8 +466,10 @@ def _cache(c: dict) -> dict:
 
 
 def _throughput(t: dict, gpus: int | None) -> dict:
-    gpu_hours = t["wall"] * gpus / 3600 if gpus else None
-    timed_gpu_hours = t["timed_wall"] * gpus / 3600 if gpus else None
+    """`gpus`: GPUs per generate job, None where GPU-hours are unknown (t["gpu_s"] is the sum
+    of wall x GPUs over the jobs, so categories with different GPUs add up)."""
+    gpu_hours = t["gpu_s"] / 3600 if gpus else None
+    timed_gpu_hours = t["timed_gpu_s"] / 3600 if gpus else None
     return {
         "wall_time_s": round(t["wall"], 3),
         "generation_time_s": round(t["gen"], 3),
@@ -388,13 +487,18 @@ def _throughput(t: dict, gpus: int | None) -> dict:
     }
 
 
-def gpus_of(config: dict) -> int | None:
-    """GPUs per generate job, or None where GPU-hours would be invented: external servers
-    (not started by us) and CPU runs (generation.resources.gpus 0)."""
+def gpus_of(config: dict, category: str | None = None) -> int | None:
+    """GPUs of one generate job of `category` (its resources.gpus per node x launch.nnodes), or
+    None where GPU-hours would be invented: external servers (not started by us) and CPU runs
+    (gpus 0)."""
     gen = config.get("generation") or {}
     if gen.get("mode", "managed") != "managed":
         return None
-    return int((gen.get("resources") or {}).get("gpus", 1)) or None
+    per_node = (gen.get("resources") or {}).get("gpus", 1)
+    if category in (config.get("categories") or {}):
+        per_node = (config["categories"][category].get("resources") or {}).get("gpus", per_node)
+    nnodes = int((gen.get("launch") or {}).get("nnodes", 1))
+    return int(per_node) * nnodes or None
 
 
 def conservation(categories: dict) -> list[str]:
@@ -422,7 +526,27 @@ def conservation(categories: dict) -> list[str]:
                     + (f" + not_generated={feed - prev_kept}" if feed != prev_kept else "")
                 )
             prev_kept, prev_name = st["kept"], name
+        problems += _conversation_problems(cat, s)
     return problems
+
+
+def _conversation_problems(cat: str, s: dict) -> list[str]:
+    """Turn-level checks of a `context: regenerated` category."""
+    c = s.get("conversations")
+    if c is None:
+        return []
+    out = []
+    gen, merge = s["stages"].get("generate"), s["stages"].get("merge")
+    if gen is not None and sum(c["ends"].values()) != gen["kept"] + gen["rejected"]:
+        out.append(f"category {cat}: conversation ends {sum(c['ends'].values())} != generate "
+                   f"kept={gen['kept']} + rejected={gen['rejected']}")  # fmt: skip
+    if merge is not None and c["turns_kept"] + c["turns_rejected"] != c["turns_generated"]:
+        out.append(f"category {cat}: turns generated={c['turns_generated']} != kept="
+                   f"{c['turns_kept']} + rejected={c['turns_rejected']}")  # fmt: skip
+    if merge is not None and c["conversation_samples"] + c["turn_samples"] != c["samples"]:
+        out.append(f"category {cat}: samples={c['samples']} != conversation samples="
+                   f"{c['conversation_samples']} + turn samples={c['turn_samples']}")  # fmt: skip
+    return out
 
 
 def collect(results_dir, config: dict, think: ThinkTokens | None = None) -> tuple[dict, dict]:
@@ -436,13 +560,15 @@ def collect(results_dir, config: dict, think: ThinkTokens | None = None) -> tupl
     names.discard(draft_vocab.MAPPING_DIR)  # results/dataset/vocab_mapping is no category
     if (results / "prompts").is_dir():
         names |= {p.stem for p in (results / "prompts").glob("*.parquet")}
-    gpus = gpus_of(config)
     cats, raws, timings = {}, {}, {}
     for cat in sorted(names):
-        cats[cat], raws[cat], timing = _category(results, cat, gpus, think)
+        cats[cat], raws[cat], timing = _category(results, cat, gpus_of(config, cat), think)
         for k, v in timing.items():
             timings[k] = timings.get(k, 0) + v
     problems = conservation(cats)
+    per_job = {c["generation"]["gpus"] for c in cats.values()}
+    # one figure when every category's jobs have the same GPUs; GPU-hours add up regardless
+    gpus = per_job.pop() if len(per_job) == 1 else (None if per_job <= {None} else "mixed")
     overall = _overall(cats, raws, timings, gpus)
     _token_coverage(results, cats, overall, config)
     summary = {
@@ -482,7 +608,7 @@ def _overall(cats, raws, timings, gpus) -> dict:
         for k in REASONING_COUNTS:
             if r[k] is not None:
                 reasoning[k] = (reasoning[k] or 0) + r[k]
-    return {
+    out = {
         "stages": stages,
         "finish_types": dict(sorted(finish.items())),
         "lengths": lengths,
@@ -490,6 +616,17 @@ def _overall(cats, raws, timings, gpus) -> dict:
         "prefix_cache": _cache(cache),
         "generation": _throughput(timings, gpus),
     }
+    convs = [s["conversations"] for s in cats.values() if "conversations" in s]
+    if convs:
+        total = {k: sum(c[k] for c in convs) for k in CONVERSATION_SUMS}
+        for name in ("ends", "turn_reasons"):
+            total[name] = {}
+            for c in convs:
+                for k, v in c[name].items():
+                    total[name][k] = total[name].get(k, 0) + v
+            total[name] = dict(sorted(total[name].items()))
+        out["conversations"] = total
+    return out
 
 
 def _fmt(v, none: str = "") -> str:
@@ -666,11 +803,41 @@ def markdown(summary: dict) -> str:
         "CPU runs), or no shard whose samples were all generated by the job that wrote it.",
     ]
 
+    out += conversations_markdown(scopes)
     out += coverage_markdown(summary)
     c = summary["conservation"]
     out += ["", "## Conservation", "", "All counts add up." if c["ok"] else "Counts do NOT add up:"]
     out += [f"- {p}" for p in c["problems"]]
     return "\n".join(out) + "\n"
+
+
+def conversations_markdown(scopes) -> list[str]:
+    rows = [(cat, s["conversations"]) for cat, s in scopes if "conversations" in s]
+    if not rows:
+        return []
+    out = [
+        "",
+        "## Conversations regenerated turn by turn (`context: regenerated`)",
+        "",
+        "The stages above count conversations for these categories. A turn is asked only "
+        "when the conversation's earlier turns were generated, so turns after an end "
+        "(tool call diverged, truncated, too long, refused) are never asked. Samples: one "
+        "per conversation when the chat template renders history exactly as generated "
+        "(prefix-exact), else one per turn (docs/multi-turn.md).",
+        "",
+        "| category | conversations | turns in data | turns generated | turns not asked | "
+        "turns kept | turns rejected | samples (per conversation / per turn) | ends |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for cat, c in rows:
+        ends = ", ".join(f"{k}: {v}" for k, v in c["ends"].items())
+        out.append(
+            f"| {cat} | {_fmt(c['conversations'])} | {_fmt(c['turns_in_data'])} | "
+            f"{_fmt(c['turns_generated'])} | {_fmt(c['turns_not_asked'])} | "
+            f"{_fmt(c['turns_kept'])} | {_fmt(c['turns_rejected'])} | {_fmt(c['samples'])} "
+            f"({_fmt(c['conversation_samples'])} / {_fmt(c['turn_samples'])}) | {ends} |"
+        )
+    return out
 
 
 def plots(raws: dict, out_dir: Path) -> list[Path]:
