@@ -127,10 +127,20 @@ def check_dataset(workdir: Path, results: Path, config: dict) -> int:
                 r["prompt_id"]: r["prompt_ids"]
                 for r in pq.read_table(shard, columns=["prompt_id", "prompt_ids"]).to_pylist()
             }
-            generated = {
-                r["prompt_id"]: r["output_ids"]
-                for r in pq.read_table(results / "generated" / category / shard.name).to_pylist()
-            }
+            gen_rows = pq.read_table(results / "generated" / category / shard.name).to_pylist()
+            if cat.get("context") == "regenerated":
+                # One generated row per turn, with the prompt it was sent; the demo's template
+                # (Kimi-like, thinking) is not prefix-exact: one dataset row per turn.
+                for r in gen_rows:
+                    if r["turn"] == 0:
+                        assert r["turn_prompt_ids"] == prompts[r["prompt_id"]]
+                    assert r["prefix_exact"] is False
+                prompts = {r["sample_key"]: r["turn_prompt_ids"] for r in gen_rows}
+                generated = {r["sample_key"]: r["output_ids"] for r in gen_rows}
+                key = "sample_key"
+            else:
+                generated = {r["prompt_id"]: r["output_ids"] for r in gen_rows}
+                key = "prompt_id"
             rows = pq.read_table(results / "dataset" / category / shard.name).to_pylist()
             rejected = pq.read_table(results / "rejected/merge" / category / shard.name)
             from_generated = [
@@ -138,7 +148,7 @@ def check_dataset(workdir: Path, results: Path, config: dict) -> int:
             ]
             assert len(rows) + len(from_generated) == len(generated), (category, shard.name)
             for row in rows:
-                prompt, output = prompts[row["prompt_id"]], generated[row["prompt_id"]]
+                prompt, output = prompts[row[key]], generated[row[key]]
                 assert row["input_ids"] == prompt + output
                 assert row["loss_mask"] == [0] * len(prompt) + [1] * len(output)
                 assert output and output[-1] in stops, (row["prompt_id"], output[-5:])
@@ -154,7 +164,16 @@ def test_full_pipeline_outputs(finished_run):
     config = yaml.safe_load((finished_run / "config.yaml").read_text())
     kept = check_dataset(finished_run, results, config)
     summary = json.loads((results / "stats/summary.json").read_text())
-    assert summary["overall"]["stages"]["merge"]["kept"] == kept
+    assert summary["overall"]["lengths"]["total_tokens"]["count"] == kept  # dataset rows
+    # merge kept counts prompts, or conversations in a `context: regenerated` category
+    merge_kept = {c: s["stages"]["merge"]["kept"] for c, s in summary["categories"].items()}
+    assert summary["overall"]["stages"]["merge"]["kept"] == sum(merge_kept.values())
+    plain = [c for c, cat in config["categories"].items() if cat.get("context") != "regenerated"]
+    assert sum(merge_kept[c] for c in plain) == sum(
+        pq.ParquetFile(f).metadata.num_rows
+        for c in plain
+        for f in (results / "dataset" / c).glob("*.parquet")
+    )
     assert summary["conservation"]["ok"], summary["conservation"]
     # The demo runs on CPU (gpus: 0): no GPU-hours are invented.
     assert summary["overall"]["generation"]["gpu_hours"] is None
@@ -240,6 +259,42 @@ def test_token_counts_draft_vocab_and_coverage(finished_run, tmp_path):
     assert len(chat) == sum(
         pq.ParquetFile(p).metadata.num_rows for p in (results / "dataset/chat").glob("*.parquet")
     )
+
+
+def test_multiturn_demo_category_counts(finished_run):
+    """The `context: regenerated` demo category: later turns were generated on the model's own
+    turns (test_multiturn.py checks the prompts token by token), and stats and the dataset card
+    count conversations, turns and samples as the files hold them."""
+    results = finished_run / "results"
+
+    def rows(stage):
+        return [r for f in sorted((results / stage / "multiturn").glob("*.parquet"))
+                for r in pq.read_table(f).to_pylist()]  # fmt: skip
+
+    tokenized, generated, dataset = rows("tokenized"), rows("generated"), rows("dataset")
+    assert {r["prompt_id"] for r in generated} == {r["prompt_id"] for r in tokenized}
+    assert max(r["turn"] for r in generated) >= 2  # third turns, on two answers of the model's
+    summary = json.loads((results / "stats/summary.json").read_text())
+    c = summary["categories"]["multiturn"]["conversations"]
+    assert c["conversations"] == len(tokenized)
+    assert c["turns_in_data"] == sum(r["num_turns"] for r in tokenized)
+    assert c["turns_generated"] == len(generated) == c["turns_kept"] + c["turns_rejected"]
+    assert c["turns_not_asked"] == c["turns_in_data"] - c["turns_answered"]
+    assert c["samples"] == len(dataset) == c["turn_samples"]  # Kimi-like: one row per turn
+    ends: dict[str, int] = {}
+    for pid in {r["prompt_id"] for r in generated}:
+        (end,) = {r["conversation_end"] for r in generated if r["prompt_id"] == pid}
+        ends[end] = ends.get(end, 0) + 1
+    assert c["ends"] == ends
+    # the bundled tool conversation: the tiny model does not make the dataset's call
+    assert ends.get("tool_call_diverged") == 1
+    stages = summary["categories"]["multiturn"]["stages"]
+    assert stages["generate"]["kept"] == stages["merge"]["in"] == len(tokenized)
+    md = (results / "stats/summary.md").read_text()
+    assert "## Conversations regenerated turn by turn" in md
+    card = (results / "dataset/README.md").read_text()
+    assert "## Multi-turn conversations" in card
+    assert f"| multiturn | {len(tokenized)} | {c['turns_kept']} | 0 | {len(dataset)} |" in card
 
 
 def test_second_run_does_nothing(finished_run):

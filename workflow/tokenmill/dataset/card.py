@@ -108,6 +108,7 @@ def render(results_dir, config: dict, summary: dict | None) -> str:
         "|---|---|---|",
     ]
     lines += [f"| `{n}` | {t} | {d} |" for n, t, d in COLUMNS]
+    lines += _conversations_section(dataset, categories, summary)
     if (config.get("dataset") or {}).get("draft_vocab_size") is not None:
         lines += _draft_vocab_section(dataset)  # not a stale folder of an earlier config
     if summary:
@@ -140,6 +141,47 @@ def render(results_dir, config: dict, summary: dict | None) -> str:
             "run's own GPUs).",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _conversations_section(dataset: Path, categories: list[str], summary: dict | None) -> list[str]:
+    """How the `context: regenerated` categories' rows differ (docs/multi-turn.md)."""
+    convs = [
+        c for c in categories
+        if any(contracts.read_metadata(f).get(contracts.META_CONTEXT) == "regenerated"
+               for f in (dataset / c).glob("*.parquet"))
+    ]  # fmt: skip
+    if not convs:
+        return []
+    lines = [
+        "",
+        "## Multi-turn conversations",
+        "",
+        "In " + ", ".join(f"`{c}`" for c in convs) + " every assistant turn of a conversation "
+        "was regenerated in order, each on top of the target model's own earlier answers "
+        "(the dataset's answers were replaced, token-exact). `prompt_id` is the "
+        "conversation's id. Where the chat template renders history exactly as generated, a "
+        "conversation is one row with `loss_mask` 1 over every regenerated turn's tokens; "
+        "otherwise (templates that drop earlier reasoning, such as Kimi-K2.5's and Qwen3's) "
+        "each turn is a row, its prompt being what a serving engine feeds the model for that "
+        "conversation. A conversation ends early at a tool call the model made differently "
+        "from the dataset (the dataset's tool results would answer a call it did not make).",
+    ]
+    scopes = (summary or {}).get("categories", {})
+    rows = [(c, scopes[c]["conversations"]) for c in convs if "conversations" in scopes.get(c, {})]
+    if rows:
+        lines += [
+            "",
+            "| category | conversations | turns kept | rows: one per conversation | "
+            "rows: one per turn | conversation ends |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        for cat, c in rows:
+            ends = ", ".join(f"{k}: {v}" for k, v in c["ends"].items())
+            lines.append(
+                f"| {cat} | {c['conversations']} | {c['turns_kept']} | "
+                f"{c['conversation_samples']} | {c['turn_samples']} | {ends} |"
+            )
+    return lines
 
 
 def _known(value) -> str:
