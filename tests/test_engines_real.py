@@ -15,6 +15,9 @@ Each engine runs behind tests/gate_proxy.py, a pass-through proxy that holds gen
 past a count the test sets. Without it the kills raced the engine: vLLM answers ~50 requests/s
 here, and on a loaded CI machine the whole shard once finished between the journal poll and the
 SIGKILL. With the gate the journal stops at an exact count, so the kills land mid-shard.
+
+The multi-turn demo category (`context: regenerated`) also runs on vLLM, through the whole
+prepare -> merge CLI of tests/test_multiturn.py (no kill there, so no gate).
 """
 
 from __future__ import annotations
