@@ -15,6 +15,9 @@ Each engine runs behind tests/gate_proxy.py, a pass-through proxy that holds gen
 past a count the test sets. Without it the kills raced the engine: vLLM answers ~50 requests/s
 here, and on a loaded CI machine the whole shard once finished between the journal poll and the
 SIGKILL. With the gate the journal stops at an exact count, so the kills land mid-shard.
+
+The multi-turn demo category (`context: regenerated`) also runs on vLLM, through the whole
+prepare -> merge CLI of tests/test_multiturn.py (no kill there, so no gate).
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_multiturn import Pipeline, _load, check_turn_prompts
 
 from tokenmill import contracts
+from tokenmill.generate import journal
 
 pytestmark = [pytest.mark.engines, pytest.mark.slow]
 
@@ -350,6 +355,69 @@ def test_vllm_tokens_only_endpoint_gives_the_same_outputs(tmp_path, model_dir, s
     for pid, r in rows.items():
         assert r["output_ids"] == _CLEAN["vllm"][pid]["output_ids"], pid
         assert r["finish_type"] == _CLEAN["vllm"][pid]["finish_type"], pid
+
+
+@pytest.mark.timeout(1500)
+def test_vllm_regenerates_the_multiturn_demo_category(tmp_path, model_dir):
+    """The multi-turn demo data (sample/data/multiturn, `context: regenerated`) through the real
+    CLI prepare -> tokenize -> generate (vLLM) -> merge (test_multiturn.Pipeline), with the
+    demo tokenizer's Kimi-like template (thinking, not prefix-exact): each turn's prompt is the
+    template of the model's own earlier answers, later turns were generated, each turn was
+    requested (server's access log) and journaled once, a rerun asks for none, and the dataset
+    has one row per kept turn with loss on its output only."""
+    spec = ENGINES["vllm"]
+    vpy = _vllm_python_cached()
+    gen = {
+        "engine": "vllm",
+        "model": str(model_dir),
+        "launch": {
+            "command": [vpy if a == "VLLM_PYTHON" else a for a in spec["command"]],
+            "host": "127.0.0.1",
+            "startup_timeout_s": 600,
+            "env": spec["env"],
+        },
+    }
+    tok_cfg = {"path": "sample/model", "chat_template_kwargs": {"thinking": True}}
+    pipe = Pipeline(tmp_path, tok_cfg, "</think>", tmp_path / "journal", gen, 900)
+    data = REPO / "sample" / "data" / "multiturn" / "*.jsonl"
+    r = pipe.run(data, "first")
+    n_conv, n_turns = r["tok"].num_rows, r["gen"].num_rows
+    assert r["tok"].column("prefix_exact").to_pylist() == [False] * n_conv
+
+    check_turn_prompts(_load(tok_cfg), r, tok_cfg["chat_template_kwargs"])
+    assert n_turns > n_conv  # later turns were generated
+    m = r["meta"]
+    assert m["engine"] == "vllm" and m["server_info"]["version"] == "0.32.0"
+    assert m["counts"]["requested"] == n_turns and m["counts"]["turns_from_journal"] == 0
+    ends = m["counts"]["conversation_ends"]
+    assert sum(ends.values()) == n_conv and set(ends) <= {"complete", "truncated",
+                                                          "tool_call_diverged"}, ends  # fmt: skip
+    engine_log = (r["dir"] / "logs" / "engine.log").read_text(errors="replace")
+    assert engine_log.count(spec["post"]) == n_turns  # every turn asked for once
+    lines = [journal.decode_line(ln) for f in (pipe.journal / "mt").glob("*.jsonl")
+             for ln in f.read_bytes().splitlines(keepends=True)]  # fmt: skip
+    assert sorted(x["key"] for x in lines) == sorted(r["gen"].column("sample_key").to_pylist())
+
+    # A rerun: every turn from the journal, no engine started, the same turns.
+    again = pipe.run(data, "rerun")
+    assert again["meta"]["counts"]["requested"] == 0
+    assert again["meta"]["counts"]["turns_from_journal"] == n_turns
+    assert again["meta"]["engine_started"] is False
+    assert not (again["dir"] / "logs" / "engine.log").exists()
+    cols = ["prompt_id", "turn", "sample_key", "turn_prompt_ids", "output_ids", "conversation_end"]
+    assert again["gen"].select(cols).equals(r["gen"].select(cols))
+
+    # One dataset row per turn (a truncated turn is rejected, with those built on it), the
+    # loss mask 1 exactly over the turn's output.
+    turns = {t["sample_key"]: t for t in r["gen"].to_pylist()}
+    rows = r["dataset"].to_pylist()
+    merge_rejected = pq.read_table(r["dir"] / "dr.parquet").num_rows
+    assert len(rows) + merge_rejected == n_turns and len(rows) > n_conv
+    assert r["dataset_meta"]["tokenmill.turn_samples"] == str(len(rows))
+    for row in rows:
+        p, o = turns[row["sample_key"]]["turn_prompt_ids"], turns[row["sample_key"]]["output_ids"]
+        assert row["input_ids"] == p + o
+        assert row["loss_mask"] == [0] * len(p) + [1] * len(o)
 
 
 _CLEAN: dict[str, dict] = {}  # engine -> the clean run's rows, reused by later tests

@@ -37,18 +37,21 @@ def write_data(path: Path, convs) -> None:
             f.write(json.dumps({"messages": [{"role": r, "content": t} for r, t in c]}) + "\n")
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     p = subprocess.run([sys.executable, "-m", "tokenmill", *args], capture_output=True, text=True,
-                       cwd=REPO, timeout=180)  # fmt: skip
+                       cwd=REPO, timeout=timeout)  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
     return p
 
 
 class Pipeline:
-    """One category through prepare, tokenize, generate and merge in `tmp`."""
+    """One category through prepare, tokenize, generate and merge in `tmp`. `gen` overrides
+    keys of the generation config (another engine: tests/test_engines_real.py)."""
 
-    def __init__(self, tmp: Path, tok_cfg: dict, think_end: str | None, journal: Path):
+    def __init__(self, tmp: Path, tok_cfg: dict, think_end: str | None, journal: Path,
+                 gen: dict | None = None, generate_timeout: float = 180):  # fmt: skip
         self.tmp, self.tok_cfg, self.think_end, self.journal = tmp, tok_cfg, think_end, journal
+        self.generate_timeout = generate_timeout
         self.gen = {
             "engine": "sglang", "mode": "managed", "model": "sample/model", "revision": None,
             "launch": {"command": ["{python}", "-m", "tokenmill", "serve-reference",
@@ -59,7 +62,7 @@ class Pipeline:
             "seed_policy": "none", "concurrency": 8, "request_timeout_s": 60,
             "retry": {"max_attempts": 2, "backoff_initial_s": 0.05, "backoff_max_s": 0.1},
             "progress_interval_s": 5,
-        }  # fmt: skip
+        } | (gen or {})  # fmt: skip
         (tmp / "gen.json").write_text(json.dumps(self.gen))
         (tmp / "tok.json").write_text(json.dumps(tok_cfg))
 
@@ -79,7 +82,7 @@ class Pipeline:
             "--shard", "000", "--tokenized", str(t / "tok" / "000.parquet"),
             "--out", str(t / "g.parquet"), "--rejected", str(t / "r.parquet"),
             "--meta", str(t / "m.json"), "--journal-dir", str(self.journal),
-            "--log-dir", str(t / "logs"))  # fmt: skip
+            "--log-dir", str(t / "logs"), timeout=self.generate_timeout)  # fmt: skip
         ds = {"max_sequence_tokens": 4096, "reject_truncated": True,
               "think_end_token": self.think_end}  # fmt: skip
         (t / "ds.json").write_text(json.dumps(ds))
@@ -112,6 +115,45 @@ def _load(tok_cfg):
     from tokenmill.tokenization.tokenizer import load_tokenizer
 
     return load_tokenizer(tok_cfg, REPO)
+
+
+def check_turn_prompts(tok, r: dict, kwargs: dict) -> dict:
+    """Each generated turn's prompt equals apply_chat_template of the conversation with the
+    model's own earlier answers, split at "</think>" (a template that is not prefix-exact).
+    Returns _turns(r["gen"])."""
+    stop, think = tok.convert_tokens_to_ids(STOP), tok.convert_tokens_to_ids("</think>")
+    rows = {row["prompt_id"]: row for row in r["tok"].to_pylist()}
+    turns = _turns(r["gen"])
+    for pid, ts in turns.items():
+        messages = json.loads(rows[pid]["messages"])
+        tools = json.loads(rows[pid]["tools"]) if rows[pid]["tools"] else None
+        spans = formats.turn_spans(messages)
+        history: list[dict] = []
+        pos = 0
+        for k, (prompt, output) in enumerate(ts):
+            a, e = spans[k]
+            history += messages[pos:a]
+            expected = tok.apply_chat_template(history, tools=tools, add_generation_prompt=True,
+                                               tokenize=True, return_dict=False,
+                                               **kwargs)  # fmt: skip
+            assert prompt == list(expected), (pid, k)
+            if rows[pid]["tool_call_ids"][k] is not None:
+                # A tool-call turn continues only when the model's ids are the dataset's, with
+                # the dataset's messages.
+                assert k == len(ts) - 1 or output == rows[pid]["tool_call_ids"][k], (pid, k)
+                history += messages[a:e]
+                pos = e
+                continue
+            # The token-level split, written out independently of the package.
+            ids = output[:-1] if output[-1] == stop else output
+            if think in ids:
+                cut = ids.index(think)
+                history.append({"role": "assistant", "content": tok.decode(ids[cut + 1 :]),
+                                "reasoning_content": tok.decode(ids[:cut])})  # fmt: skip
+            else:
+                history.append({"role": "assistant", "content": tok.decode(ids)})
+            pos = e
+    return turns
 
 
 # ----------------------------------------------------------------------------- unit
@@ -158,31 +200,8 @@ def kimi_run(tmp_path_factory):
 def test_kimi_each_turn_prompt_is_the_template_of_the_models_own_answers(kimi_run):
     pipe, r = kimi_run
     assert r["tok"].column("prefix_exact").to_pylist() == [False] * len(CONVERSATIONS)
-    tok = _load(pipe.tok_cfg)
-    stop, think = tok.convert_tokens_to_ids(STOP), tok.convert_tokens_to_ids("</think>")
-    rows = {row["prompt_id"]: row for row in r["tok"].to_pylist()}
-    turns = _turns(r["gen"])
+    turns = check_turn_prompts(_load(pipe.tok_cfg), r, pipe.tok_cfg["chat_template_kwargs"])
     assert sum(len(v) for v in turns.values()) > len(CONVERSATIONS)  # later turns were generated
-    for pid, ts in turns.items():
-        messages = json.loads(rows[pid]["messages"])
-        spans = formats.turn_spans(messages)
-        history: list[dict] = []
-        pos = 0
-        for k, (prompt, output) in enumerate(ts):
-            a, e = spans[k]
-            history += messages[pos:a]
-            expected = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
-                                               return_dict=False, thinking=True)  # fmt: skip
-            assert prompt == list(expected), (pid, k)
-            # The token-level split, written out independently of the package.
-            ids = output[:-1] if output[-1] == stop else output
-            if think in ids:
-                cut = ids.index(think)
-                history.append({"role": "assistant", "content": tok.decode(ids[cut + 1 :]),
-                                "reasoning_content": tok.decode(ids[:cut])})  # fmt: skip
-            else:
-                history.append({"role": "assistant", "content": tok.decode(ids)})
-            pos = e
     # one sample per turn, every turn's output under the loss mask
     assert r["dataset"].num_rows == r["gen"].num_rows
     assert r["dataset_meta"]["tokenmill.turn_samples"] == str(r["gen"].num_rows)
