@@ -36,6 +36,7 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from test_multiturn import Pipeline, _load, check_turn_prompts
 
 from tokenmill import contracts
@@ -379,7 +380,9 @@ def test_vllm_regenerates_the_multiturn_demo_category(tmp_path, model_dir):
     }
     tok_cfg = {"path": "sample/model", "chat_template_kwargs": {"thinking": True}}
     pipe = Pipeline(tmp_path, tok_cfg, "</think>", tmp_path / "journal", gen, 900)
-    data = REPO / "sample" / "data" / "multiturn" / "*.jsonl"
+    demo = yaml.safe_load((REPO / "config.yaml").read_text())["categories"]["multiturn"]
+    assert (demo["format"], demo["context"]) == ("messages", "regenerated")  # as Pipeline runs it
+    (data,) = (REPO / src for src in demo["sources"])
     r = pipe.run(data, "first")
     n_conv, n_turns = r["tok"].num_rows, r["gen"].num_rows
     assert r["tok"].column("prefix_exact").to_pylist() == [False] * n_conv
