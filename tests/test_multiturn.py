@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tokenmill import contracts
+from tokenmill.generate import journal
 from tokenmill.prepare import formats
 from tokenmill.tokenization import conversations as conv
 
@@ -155,59 +156,147 @@ def kimi_run(tmp_path_factory):
     return pipe, pipe.run(tmp / "data" / "a.jsonl", "first")
 
 
-def test_kimi_each_turn_prompt_is_the_template_of_the_models_own_answers(kimi_run):
-    pipe, r = kimi_run
-    assert r["tok"].column("prefix_exact").to_pylist() == [False] * len(CONVERSATIONS)
-    tok = _load(pipe.tok_cfg)
-    stop, think = tok.convert_tokens_to_ids(STOP), tok.convert_tokens_to_ids("</think>")
+def check_turn_prompts(r, tok_cfg: dict, think_end: str | None) -> dict:
+    """Each turn's prompt is apply_chat_template of the conversation with the model's own earlier
+    answers, reconstructed from ids by the token-level split (written out here independently of
+    the package); a tool-call turn the conversation went on from keeps the dataset's message.
+    Returns the turns by prompt_id."""
+    tok = _load(tok_cfg)
+    kwargs = tok_cfg.get("chat_template_kwargs") or {}
+    stop = tok.convert_tokens_to_ids(STOP)
+    think = tok.convert_tokens_to_ids(think_end) if think_end else None
     rows = {row["prompt_id"]: row for row in r["tok"].to_pylist()}
     turns = _turns(r["gen"])
-    assert sum(len(v) for v in turns.values()) > len(CONVERSATIONS)  # later turns were generated
     for pid, ts in turns.items():
         messages = json.loads(rows[pid]["messages"])
+        tools = json.loads(rows[pid]["tools"]) if rows[pid]["tools"] else None
         spans = formats.turn_spans(messages)
         history: list[dict] = []
         pos = 0
         for k, (prompt, output) in enumerate(ts):
             a, e = spans[k]
             history += messages[pos:a]
-            expected = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
-                                               return_dict=False, thinking=True)  # fmt: skip
+            expected = tok.apply_chat_template(
+                history, tools=tools, add_generation_prompt=True, tokenize=True,
+                return_dict=False, **kwargs,
+            )  # fmt: skip
             assert prompt == list(expected), (pid, k)
-            # The token-level split, written out independently of the package.
             ids = output[:-1] if output[-1] == stop else output
-            if think in ids:
+            if any(m.get("tool_calls") for m in messages[a:e]):
+                history += messages[a:e]  # a next turn exists: the model made the dataset's call
+            elif think is not None and think in ids:
                 cut = ids.index(think)
                 history.append({"role": "assistant", "content": tok.decode(ids[cut + 1 :]),
                                 "reasoning_content": tok.decode(ids[:cut])})  # fmt: skip
             else:
                 history.append({"role": "assistant", "content": tok.decode(ids)})
             pos = e
-    # one sample per turn, every turn's output under the loss mask
-    assert r["dataset"].num_rows == r["gen"].num_rows
-    assert r["dataset_meta"]["tokenmill.turn_samples"] == str(r["gen"].num_rows)
+    return turns
+
+
+@pytest.fixture(scope="module")
+def qwen3_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("qwen3")
+    write_data(tmp / "data" / "a.jsonl", CONVERSATIONS)
+    tok_cfg = {"path": "sample/model", "chat_template": str(TEMPLATES / "qwen3_like.jinja")}
+    pipe = Pipeline(tmp, tok_cfg, "</think>", tmp / "journal")  # thinking on (the default)
+    return pipe, pipe.run(tmp / "data" / "a.jsonl", "first")
+
+
+@pytest.mark.parametrize("run", ["kimi_run", "qwen3_run"])
+def test_each_turn_prompt_is_the_template_of_the_models_own_answers(run, request):
+    pipe, r = request.getfixturevalue(run)
+    # Both templates drop earlier reasoning: not prefix-exact, one sample per turn.
+    assert r["tok"].column("prefix_exact").to_pylist() == [False] * len(CONVERSATIONS)
+    turns = check_turn_prompts(r, pipe.tok_cfg, pipe.think_end)
+    assert sum(len(v) for v in turns.values()) > len(CONVERSATIONS)  # later turns were generated
+    # one sample per turn that ended with a stop id (merge drops truncated ones)
+    stopped = r["gen"].column("finish_type").to_pylist().count("stop")
+    assert r["dataset"].num_rows == stopped
+    assert r["dataset_meta"]["tokenmill.turn_samples"] == str(stopped)
+
+
+def journal_records(journal_dir: Path, gen) -> dict:
+    """The journal's record of every generated turn, by sample key (wherever it is stored)."""
+    found, _ = journal.load(journal_dir, "mt", gen.column("sample_key").to_pylist())
+    assert len(found) == gen.num_rows
+    return found
+
+
+def write_journal(journal_dir: Path, records) -> Path:
+    """A journal holding just these records, as one job attempt's JSONL file."""
+    (journal_dir / "mt").mkdir(parents=True)
+    lines = b"".join(journal.encode_line(rec) for rec in records)
+    (journal_dir / "mt" / "000.a.jsonl").write_bytes(lines)
+    return journal_dir
+
+
+GEN_COLUMNS = ["prompt_id", "turn", "sample_key", "turn_prompt_ids", "output_ids",
+               "conversation_end"]  # fmt: skip
 
 
 def test_kill_between_turns_resumes_at_the_first_unjournaled_turn(kimi_run, tmp_path):
     pipe, first = kimi_run
     total = first["gen"].num_rows
-    # A job killed after 2 turns were journaled: keep only those journal lines.
-    journal = tmp_path / "journal"
-    import shutil
-
-    shutil.copytree(pipe.journal, journal)
-    files = sorted((journal / "mt").glob("*.jsonl"))
-    lines = [ln for f in files for ln in f.read_text().splitlines(keepends=True)]
-    assert len(lines) == total
-    for f in files:
-        f.unlink()
-    (journal / "mt" / "000.a.jsonl").write_text("".join(lines[:2]))
-    resumed = Pipeline(tmp_path, pipe.tok_cfg, pipe.think_end, journal)
+    assert first["meta"]["journal"]["compaction"]["records"] == total
+    recs = journal_records(pipe.journal, first["gen"])
+    # A job killed after 2 turns were journaled: the first turns of two conversations.
+    firsts = [g["sample_key"] for g in first["gen"].to_pylist() if g["turn"] == 0][:2]
+    jdir = write_journal(tmp_path / "journal", [recs[k] for k in firsts])
+    resumed = Pipeline(tmp_path, pipe.tok_cfg, pipe.think_end, jdir)
     r = resumed.run(pipe.tmp / "data" / "a.jsonl", "resumed")
     assert r["meta"]["counts"]["requested"] == total - 2
     assert r["meta"]["counts"]["turns_from_journal"] == 2
-    cols = ["prompt_id", "turn", "sample_key", "turn_prompt_ids", "output_ids", "conversation_end"]
-    assert r["gen"].select(cols).equals(first["gen"].select(cols))
+    assert r["gen"].select(GEN_COLUMNS).equals(first["gen"].select(GEN_COLUMNS))
+    # The finished shard's journal is compacted like a plain shard's: one file, every turn...
+    compaction = r["meta"]["journal"]["compaction"]
+    assert (compaction["records"], compaction["files_deleted"]) == (total, 2)
+    assert sorted(p.name for p in (jdir / "mt").glob("000*")) == ["000.parquet"]
+    # ... which a rerun reads: nothing asked, nothing to compact, the same output.
+    again = resumed.run(pipe.tmp / "data" / "a.jsonl", "again")
+    assert again["meta"]["counts"]["requested"] == 0
+    assert again["meta"]["counts"]["turns_from_journal"] == total
+    assert again["meta"]["journal"]["compaction"] is None
+    assert again["gen"].select(GEN_COLUMNS).equals(first["gen"].select(GEN_COLUMNS))
+
+
+def test_a_journaled_refusal_that_does_not_blame_the_prompt_is_asked_again(kimi_run, tmp_path):
+    pipe, first = kimi_run
+    recs = journal_records(pipe.journal, first["gen"])
+    by_conv = _keys_by_conversation(first["gen"])
+    (a, b, c) = sorted(by_conv.values())  # three conversations of at least two turns
+
+    def refused(key, message):
+        return {"key": key, "status": "rejected", "prompt_id": recs[key]["prompt_id"],
+                "message": message}  # fmt: skip
+
+    dup = "Duplicate request ID detected: 0123"  # not the prompt's fault: asked again
+    too_long = "Input length (9 tokens) exceeds the maximum allowed length"  # final
+    kept = (
+        [recs[a[0]], refused(a[1], dup), *(recs[k] for k in a[2:])]  # replay meets the refusal
+        + [refused(b[1], dup), *(recs[k] for k in b[2:])]  # turn 1 asked; follow meets it
+        + [recs[c[0]], refused(c[1], too_long)]  # the conversation ends there, as journaled
+    )
+    jdir = write_journal(tmp_path / "journal", kept)
+    r = Pipeline(tmp_path, pipe.tok_cfg, pipe.think_end, jdir).run(
+        pipe.tmp / "data" / "a.jsonl", "rerun"
+    )
+    assert r["meta"]["counts"]["requested"] == 3  # a's turn 2, b's turns 1 and 2
+    ends = {row["prompt_id"]: row["conversation_end"] for row in r["gen"].to_pylist()}
+    pid_c = recs[c[0]]["prompt_id"]
+    assert ends[pid_c] == "engine_rejected"
+    keep = [g for g in first["gen"].to_pylist() if g["prompt_id"] != pid_c]
+    got = [g for g in r["gen"].to_pylist() if g["prompt_id"] != pid_c]
+    assert [{k: g[k] for k in GEN_COLUMNS} for g in got] == [
+        {k: g[k] for k in GEN_COLUMNS} for g in keep
+    ]
+
+
+def _keys_by_conversation(gen) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for g in sorted(gen.to_pylist(), key=lambda g: (g["prompt_id"], g["turn"])):
+        out.setdefault(g["prompt_id"], []).append(g["sample_key"])
+    return out
 
 
 def test_one_turn_edit_regenerates_that_conversation_from_that_turn(kimi_run, tmp_path):
@@ -224,6 +313,12 @@ def test_one_turn_edit_regenerates_that_conversation_from_that_turn(kimi_run, tm
     assert len(changed) == 1
     (old,) = set(before) - set(after)
     assert after[changed.pop()][:2] == before[old][:2]
+    # The old turn 3 is no longer asked for: compaction sets it aside, as for a plain shard...
+    assert r["meta"]["journal"]["compaction"]["stale_added"] == 1
+    # ... and the edit undone finds it there.
+    back = again.run(pipe.tmp / "data" / "a.jsonl", "undone")
+    assert back["meta"]["counts"]["requested"] == 0
+    assert back["gen"].select(GEN_COLUMNS).equals(first["gen"].select(GEN_COLUMNS))
 
 
 def test_prefix_exact_template_gives_one_sequence_per_conversation(tmp_path):
