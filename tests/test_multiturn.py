@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fake_sglang
 import pyarrow.parquet as pq
 import pytest
 
@@ -48,7 +49,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 class Pipeline:
     """One category through prepare, tokenize, generate and merge in `tmp`."""
 
-    def __init__(self, tmp: Path, tok_cfg: dict, think_end: str | None, journal: Path):
+    def __init__(self, tmp: Path, tok_cfg: dict, think_end: str | None, journal: Path,
+                 command: list[str] | None = None):  # fmt: skip
         self.tmp, self.tok_cfg, self.think_end, self.journal = tmp, tok_cfg, think_end, journal
         self.gen = {
             "engine": "sglang", "mode": "managed", "model": "sample/model", "revision": None,
@@ -61,6 +63,8 @@ class Pipeline:
             "retry": {"max_attempts": 2, "backoff_initial_s": 0.05, "backoff_max_s": 0.1},
             "progress_interval_s": 5,
         }  # fmt: skip
+        if command is not None:  # another engine (tests/fake_sglang.py)
+            self.gen["launch"]["command"] = command
         (tmp / "gen.json").write_text(json.dumps(self.gen))
         (tmp / "tok.json").write_text(json.dumps(tok_cfg))
 
@@ -319,6 +323,69 @@ def test_one_turn_edit_regenerates_that_conversation_from_that_turn(kimi_run, tm
     back = again.run(pipe.tmp / "data" / "a.jsonl", "undone")
     assert back["meta"]["counts"]["requested"] == 0
     assert back["gen"].select(GEN_COLUMNS).equals(first["gen"].select(GEN_COLUMNS))
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": CITY}}]
+
+
+def tool_record(city: str) -> dict:
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": city}}}
+    return {"messages": [
+        {"role": "user", "content": f"Weather in {city}?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": f"Sunny in {city}."},
+        {"role": "assistant", "content": f"It is sunny in {city}."},
+        {"role": "user", "content": "Thanks."},
+        {"role": "assistant", "content": "You are welcome."},
+    ], "tools": TOOLS}  # fmt: skip
+
+
+@pytest.mark.parametrize(("think_end", "exact"), [(None, True), ("</think>", False)])
+def test_a_tool_call_turn_goes_on_only_when_the_model_made_the_dataset_call(
+    tmp_path, think_end, exact
+):
+    tok_cfg = {"path": "sample/model", "chat_template": str(TEMPLATES / "qwen3_like.jinja")}
+    tok = _load(tok_cfg)
+    stop = tok.convert_tokens_to_ids(STOP)
+    paris, tools = formats.to_conversation(tool_record("Paris"), "messages")
+
+    def render(messages, generation_prompt):
+        return list(tok.apply_chat_template(messages, tools=tools, tokenize=True,
+                                            add_generation_prompt=generation_prompt,
+                                            return_dict=False))  # fmt: skip
+
+    # The stand-in engine makes the dataset's call in Paris (its ids through the stop id), then
+    # answers the tool result with its own words; in Rome it says something else.
+    p1, with_call = render(paris[:1], True), render(paris[:2], False)
+    rest = with_call[len(p1) :]
+    call = rest[: rest.index(stop) + 1]
+    answer = tok.encode("Sunny, it says.", add_special_tokens=False) + [stop]
+    script = [{"ends_with": p1, "output": call},
+              {"ends_with": render(paris[:3], True), "output": answer}]  # fmt: skip
+    (tmp_path / "script.json").write_text(json.dumps(script))
+    (tmp_path / "data").mkdir()
+    with (tmp_path / "data" / "a.jsonl").open("w") as f:
+        f.writelines(json.dumps(tool_record(c)) + "\n" for c in ("Paris", "Rome"))
+    command = ["{python}", fake_sglang.FAKE, "--model-path", "{model}", "--skip-tokenizer-init",
+               "--host", "{host}", "--port", "{port}",
+               "--script", str(tmp_path / "script.json")]  # fmt: skip
+    r = Pipeline(tmp_path, tok_cfg, think_end, tmp_path / "journal", command).run(
+        tmp_path / "data" / "a.jsonl", "x"
+    )
+    assert r["tok"].column("prefix_exact").to_pylist() == [exact, exact]
+    turns = check_turn_prompts(r, tok_cfg, think_end)
+    ends = {g["prompt_id"]: g["conversation_end"] for g in r["gen"].to_pylist()}
+    pid_paris = formats.prompt_id(paris, tools)
+    (pid_rome,) = set(ends) - {pid_paris}
+    # Paris: the matched call goes on with the dataset's call and tool result, to the end.
+    assert [o for _, o in turns[pid_paris][:2]] == [call, answer]
+    result = "<tool_response>\nSunny in Paris.\n</tool_response>"
+    assert result in tok.decode(turns[pid_paris][1][0])
+    assert (len(turns[pid_paris]), ends[pid_paris]) == (3, "complete")
+    # Rome: kept as a sample, and the conversation ends at the call the model did not make.
+    assert (len(turns[pid_rome]), ends[pid_rome]) == (1, "tool_call_diverged")
+    assert r["meta"]["counts"]["conversation_ends"] == {"complete": 1, "tool_call_diverged": 1}
 
 
 def test_prefix_exact_template_gives_one_sequence_per_conversation(tmp_path):
