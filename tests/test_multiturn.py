@@ -1,6 +1,7 @@
 """context: regenerated: every assistant turn regenerated in order on the model's own earlier
 turns, token-exact (docs/multi-turn.md). Real CLI runs: prepare -> tokenize -> generate against
-the reference engine (`tokenmill serve-reference`, the demo model in sample/model) -> merge."""
+the reference engine (`tokenmill serve-reference`, the demo model in sample/model) -> merge;
+the tool-call test scripts the answers with tests/fake_sglang.py --script."""
 
 from __future__ import annotations
 

@@ -8,7 +8,9 @@ Each turn is a sample like any other: its key is the sample key of its prompt id
 the model's own earlier answers, so
 
 - a killed job resumes at the first unjournaled turn of each conversation (replay walks the
-  journal turn by turn: turn 1's key, its answer, turn 2's prompt and key, ...);
+  journal turn by turn: turn 1's key, its answer, turn 2's prompt and key, ...); a journaled
+  refusal that does not blame the prompt is asked again, as in a plain shard
+  (journal.Index.ask_again);
 - an edited turn changes the conversation's prompt_id (and possibly its shard) and the prompt
   ids from that turn on: the turns before it hit the journal, the rest are generated again.
 
@@ -19,8 +21,9 @@ imports transformers (loaded once, on the first such conversation).
 
 Output (contracts.GENERATED_TURNS): one row per generated turn, (prompt_id, turn) order, with
 the turn's prompt ids and why the conversation stopped; a conversation whose first turn was
-refused is a rejected row. The shard's journal is not compacted (its keys are not known up
-front); its JSONL files are read whole on a rerun.
+refused is a rejected row. Once every conversation ended, the shard's keys are known (every
+turn's) and its journal is compacted like a plain shard's (`compact`): records of other keys go
+to the stale file, which replay searches for a turn missing elsewhere.
 """
 
 from __future__ import annotations
