@@ -26,7 +26,7 @@ import fake_sglang  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
 from tokenmill import contracts  # noqa: E402
-from tokenmill.generate import conversations, journal  # noqa: E402
+from tokenmill.generate import conversations, engines, journal  # noqa: E402
 from tokenmill.generate.client import Client, ClientOptions, Item  # noqa: E402
 from tokenmill.generate.launch import free_port  # noqa: E402
 
@@ -71,7 +71,8 @@ def conversation_shard(path: Path, turns: list[int]) -> None:
 def turn_ordered(url: str, turns: list[int], jdir: str) -> tuple[float, dict]:
     path = Path(jdir) / "conv.parquet"
     conversation_shard(path, turns)
-    convs = conversations.Conversations(path, "fp", "none", [STOP], {}, ".")
+    api = engines.for_config({"engine": "sglang"})
+    convs = conversations.Conversations(path, "fp", "none", [STOP], {}, ".", api.prompt_at_fault)
     sj = journal.ShardJournal(jdir, "bench", "000")
     index = sj.open(None)
     convs.replay(index)

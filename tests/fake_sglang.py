@@ -10,6 +10,9 @@ Every /generate received is counted: GET /stats, and one line per request append
 Launchable as a managed-mode command:
     {python} tests/fake_sglang.py --model-path {model} --host {host} --port {port} [faults]
 
+--script FILE answers chosen prompts with chosen ids (a model's exact tool call, say): a JSON
+list of {"ends_with": [ids], "output": [ids]}, the first rule whose ids end the prompt wins.
+
 --sglang-version picks whose answers it gives where releases differ (docs/sglang-api.md):
 "0.5.23" (default, read from the source): an unknown sampling key is a JSON 400, /model_info has
 served_model_name. "0.5.16" (measured on a real server): no served_model_name in /model_info, an
@@ -71,6 +74,21 @@ class Fake:
         self.counter = open(args.counter_file, "a") if args.counter_file else None  # noqa: SIM115
         self.in_flight: set[str] = set()
         self.old = args.sglang_version == "0.5.16"
+        self.script = []
+        if args.script:
+            with open(args.script) as f:
+                self.script = json.load(f)
+
+    def scripted(self, ids: list[int], stop_ids: list[int]):
+        """(output, finish) of the first --script rule whose ends_with ends `ids`, else None."""
+        for rule in self.script:
+            end = rule["ends_with"]
+            if ids[len(ids) - len(end) :] == end:
+                out = list(rule["output"])
+                if out and out[-1] in stop_ids:
+                    return out, {"type": "stop", "matched": out[-1]}
+                return out, {"type": "length", "length": len(out)}
+        return None
 
     def ready(self) -> bool:
         return time.monotonic() - self.started >= self.a.startup_delay
@@ -207,7 +225,9 @@ class Fake:
             await asyncio.sleep(a.latency)
         while (limit := hold_limit(a.hold_file)) is not None and n > limit:
             await asyncio.sleep(0.02)  # held: a kill test's interruption lands mid-shard
-        out, finish = fake_output(ids, max_new, sp.get("stop_token_ids") or [], a.output_len)
+        stop_ids = sp.get("stop_token_ids") or []
+        out, finish = self.scripted(ids, stop_ids) or fake_output(ids, max_new, stop_ids,
+                                                                   a.output_len)  # fmt: skip
         if n <= a.abort_first or ids[0] in a.abort_first_token:
             out, finish = out[:1], {"type": "abort", "message": "Aborted", "status_code": None,
                                     "err_type": None}  # fmt: skip
@@ -407,6 +427,8 @@ def parse_args(argv):
     p.add_argument("--api", choices=["sglang", "vllm"], default="sglang")
     p.add_argument("--eos-id", type=int, default=None, help="vllm: EOS when no stop ids are sent")
     p.add_argument("--output-len", type=int, default=None, help="tokens before the stop token")
+    p.add_argument("--script", help="JSON file: [{ends_with: [ids], output: [ids]}]; a prompt "
+                   "ending with ends_with gets that output (first match)")  # fmt: skip
     p.add_argument("--model", dest="model_path", help="vLLM's spelling of --model-path")
     args, _ = p.parse_known_args(argv)  # tolerate real SGLang flags in launch commands
     return args

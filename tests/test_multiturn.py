@@ -1,6 +1,7 @@
 """context: regenerated: every assistant turn regenerated in order on the model's own earlier
 turns, token-exact (docs/multi-turn.md). Real CLI runs: prepare -> tokenize -> generate against
-the reference engine (`tokenmill serve-reference`, the demo model in sample/model) -> merge."""
+the reference engine (`tokenmill serve-reference`, the demo model in sample/model) -> merge;
+the tool-call test scripts the answers with tests/fake_sglang.py --script."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fake_sglang
 import pyarrow.parquet as pq
 import pytest
 
 from tokenmill import contracts
+from tokenmill.generate import journal
 from tokenmill.prepare import formats
 from tokenmill.tokenization import conversations as conv
 
@@ -49,7 +52,8 @@ class Pipeline:
     keys of the generation config (another engine: tests/test_engines_real.py)."""
 
     def __init__(self, tmp: Path, tok_cfg: dict, think_end: str | None, journal: Path,
-                 gen: dict | None = None, generate_timeout: float = 180):  # fmt: skip
+                 gen: dict | None = None, generate_timeout: float = 180,
+                 command: list[str] | None = None):  # fmt: skip
         self.tmp, self.tok_cfg, self.think_end, self.journal = tmp, tok_cfg, think_end, journal
         self.generate_timeout = generate_timeout
         self.gen = {
@@ -63,6 +67,8 @@ class Pipeline:
             "retry": {"max_attempts": 2, "backoff_initial_s": 0.05, "backoff_max_s": 0.1},
             "progress_interval_s": 5,
         } | (gen or {})  # fmt: skip
+        if command is not None:  # another engine (tests/fake_sglang.py)
+            self.gen["launch"]["command"] = command
         (tmp / "gen.json").write_text(json.dumps(self.gen))
         (tmp / "tok.json").write_text(json.dumps(tok_cfg))
 
@@ -117,45 +123,6 @@ def _load(tok_cfg):
     return load_tokenizer(tok_cfg, REPO)
 
 
-def check_turn_prompts(tok, r: dict, kwargs: dict) -> dict:
-    """Each generated turn's prompt equals apply_chat_template of the conversation with the
-    model's own earlier answers, split at "</think>" (a template that is not prefix-exact).
-    Returns _turns(r["gen"])."""
-    stop, think = tok.convert_tokens_to_ids(STOP), tok.convert_tokens_to_ids("</think>")
-    rows = {row["prompt_id"]: row for row in r["tok"].to_pylist()}
-    turns = _turns(r["gen"])
-    for pid, ts in turns.items():
-        messages = json.loads(rows[pid]["messages"])
-        tools = json.loads(rows[pid]["tools"]) if rows[pid]["tools"] else None
-        spans = formats.turn_spans(messages)
-        history: list[dict] = []
-        pos = 0
-        for k, (prompt, output) in enumerate(ts):
-            a, e = spans[k]
-            history += messages[pos:a]
-            expected = tok.apply_chat_template(history, tools=tools, add_generation_prompt=True,
-                                               tokenize=True, return_dict=False,
-                                               **kwargs)  # fmt: skip
-            assert prompt == list(expected), (pid, k)
-            if rows[pid]["tool_call_ids"][k] is not None:
-                # A tool-call turn continues only when the model's ids are the dataset's, with
-                # the dataset's messages.
-                assert k == len(ts) - 1 or output == rows[pid]["tool_call_ids"][k], (pid, k)
-                history += messages[a:e]
-                pos = e
-                continue
-            # The token-level split, written out independently of the package.
-            ids = output[:-1] if output[-1] == stop else output
-            if think in ids:
-                cut = ids.index(think)
-                history.append({"role": "assistant", "content": tok.decode(ids[cut + 1 :]),
-                                "reasoning_content": tok.decode(ids[:cut])})  # fmt: skip
-            else:
-                history.append({"role": "assistant", "content": tok.decode(ids)})
-            pos = e
-    return turns
-
-
 # ----------------------------------------------------------------------------- unit
 
 
@@ -197,36 +164,150 @@ def kimi_run(tmp_path_factory):
     return pipe, pipe.run(tmp / "data" / "a.jsonl", "first")
 
 
-def test_kimi_each_turn_prompt_is_the_template_of_the_models_own_answers(kimi_run):
-    pipe, r = kimi_run
+def check_turn_prompts(r, tok_cfg: dict, think_end: str | None) -> dict:
+    """Each turn's prompt is apply_chat_template of the conversation with the model's own earlier
+    answers, reconstructed from ids by the token-level split (written out here independently of
+    the package); a tool-call turn the conversation went on from keeps the dataset's message.
+    Returns the turns by prompt_id."""
+    tok = _load(tok_cfg)
+    kwargs = tok_cfg.get("chat_template_kwargs") or {}
+    stop = tok.convert_tokens_to_ids(STOP)
+    think = tok.convert_tokens_to_ids(think_end) if think_end else None
+    rows = {row["prompt_id"]: row for row in r["tok"].to_pylist()}
+    turns = _turns(r["gen"])
+    for pid, ts in turns.items():
+        messages = json.loads(rows[pid]["messages"])
+        tools = json.loads(rows[pid]["tools"]) if rows[pid]["tools"] else None
+        spans = formats.turn_spans(messages)
+        history: list[dict] = []
+        pos = 0
+        for k, (prompt, output) in enumerate(ts):
+            a, e = spans[k]
+            history += messages[pos:a]
+            expected = tok.apply_chat_template(
+                history, tools=tools, add_generation_prompt=True, tokenize=True,
+                return_dict=False, **kwargs,
+            )  # fmt: skip
+            assert prompt == list(expected), (pid, k)
+            ids = output[:-1] if output[-1] == stop else output
+            if any(m.get("tool_calls") for m in messages[a:e]):
+                # a tool-call turn goes on only when the model's ids are the dataset's call,
+                # with the dataset's messages
+                assert k == len(ts) - 1 or output == rows[pid]["tool_call_ids"][k], (pid, k)
+                history += messages[a:e]
+            elif think is not None and think in ids:
+                cut = ids.index(think)
+                history.append({"role": "assistant", "content": tok.decode(ids[cut + 1 :]),
+                                "reasoning_content": tok.decode(ids[:cut])})  # fmt: skip
+            else:
+                history.append({"role": "assistant", "content": tok.decode(ids)})
+            pos = e
+    return turns
+
+
+@pytest.fixture(scope="module")
+def qwen3_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("qwen3")
+    write_data(tmp / "data" / "a.jsonl", CONVERSATIONS)
+    tok_cfg = {"path": "sample/model", "chat_template": str(TEMPLATES / "qwen3_like.jinja")}
+    pipe = Pipeline(tmp, tok_cfg, "</think>", tmp / "journal")  # thinking on (the default)
+    return pipe, pipe.run(tmp / "data" / "a.jsonl", "first")
+
+
+@pytest.mark.parametrize("run", ["kimi_run", "qwen3_run"])
+def test_each_turn_prompt_is_the_template_of_the_models_own_answers(run, request):
+    pipe, r = request.getfixturevalue(run)
+    # Both templates drop earlier reasoning: not prefix-exact, one sample per turn.
     assert r["tok"].column("prefix_exact").to_pylist() == [False] * len(CONVERSATIONS)
-    turns = check_turn_prompts(_load(pipe.tok_cfg), r, pipe.tok_cfg["chat_template_kwargs"])
+    turns = check_turn_prompts(r, pipe.tok_cfg, pipe.think_end)
     assert sum(len(v) for v in turns.values()) > len(CONVERSATIONS)  # later turns were generated
-    # one sample per turn, every turn's output under the loss mask
-    assert r["dataset"].num_rows == r["gen"].num_rows
-    assert r["dataset_meta"]["tokenmill.turn_samples"] == str(r["gen"].num_rows)
+    # one sample per turn that ended with a stop id (merge drops truncated ones)
+    stopped = r["gen"].column("finish_type").to_pylist().count("stop")
+    assert r["dataset"].num_rows == stopped
+    assert r["dataset_meta"]["tokenmill.turn_samples"] == str(stopped)
+
+
+def journal_records(journal_dir: Path, gen) -> dict:
+    """The journal's record of every generated turn, by sample key (wherever it is stored)."""
+    found, _ = journal.load(journal_dir, "mt", gen.column("sample_key").to_pylist())
+    assert len(found) == gen.num_rows
+    return found
+
+
+def write_journal(journal_dir: Path, records) -> Path:
+    """A journal holding just these records, as one job attempt's JSONL file."""
+    (journal_dir / "mt").mkdir(parents=True)
+    lines = b"".join(journal.encode_line(rec) for rec in records)
+    (journal_dir / "mt" / "000.a.jsonl").write_bytes(lines)
+    return journal_dir
+
+
+GEN_COLUMNS = ["prompt_id", "turn", "sample_key", "turn_prompt_ids", "output_ids",
+               "conversation_end"]  # fmt: skip
 
 
 def test_kill_between_turns_resumes_at_the_first_unjournaled_turn(kimi_run, tmp_path):
     pipe, first = kimi_run
     total = first["gen"].num_rows
-    # A job killed after 2 turns were journaled: keep only those journal lines.
-    journal = tmp_path / "journal"
-    import shutil
-
-    shutil.copytree(pipe.journal, journal)
-    files = sorted((journal / "mt").glob("*.jsonl"))
-    lines = [ln for f in files for ln in f.read_text().splitlines(keepends=True)]
-    assert len(lines) == total
-    for f in files:
-        f.unlink()
-    (journal / "mt" / "000.a.jsonl").write_text("".join(lines[:2]))
-    resumed = Pipeline(tmp_path, pipe.tok_cfg, pipe.think_end, journal)
+    assert first["meta"]["journal"]["compaction"]["records"] == total
+    recs = journal_records(pipe.journal, first["gen"])
+    # A job killed after 2 turns were journaled: the first turns of two conversations.
+    firsts = [g["sample_key"] for g in first["gen"].to_pylist() if g["turn"] == 0][:2]
+    jdir = write_journal(tmp_path / "journal", [recs[k] for k in firsts])
+    resumed = Pipeline(tmp_path, pipe.tok_cfg, pipe.think_end, jdir)
     r = resumed.run(pipe.tmp / "data" / "a.jsonl", "resumed")
     assert r["meta"]["counts"]["requested"] == total - 2
     assert r["meta"]["counts"]["turns_from_journal"] == 2
-    cols = ["prompt_id", "turn", "sample_key", "turn_prompt_ids", "output_ids", "conversation_end"]
-    assert r["gen"].select(cols).equals(first["gen"].select(cols))
+    assert r["gen"].select(GEN_COLUMNS).equals(first["gen"].select(GEN_COLUMNS))
+    # The finished shard's journal is compacted like a plain shard's: one file, every turn...
+    compaction = r["meta"]["journal"]["compaction"]
+    assert (compaction["records"], compaction["files_deleted"]) == (total, 2)
+    assert sorted(p.name for p in (jdir / "mt").glob("000*")) == ["000.parquet"]
+    # ... which a rerun reads: nothing asked, nothing to compact, the same output.
+    again = resumed.run(pipe.tmp / "data" / "a.jsonl", "again")
+    assert again["meta"]["counts"]["requested"] == 0
+    assert again["meta"]["counts"]["turns_from_journal"] == total
+    assert again["meta"]["journal"]["compaction"] is None
+    assert again["gen"].select(GEN_COLUMNS).equals(first["gen"].select(GEN_COLUMNS))
+
+
+def test_a_journaled_refusal_that_does_not_blame_the_prompt_is_asked_again(kimi_run, tmp_path):
+    pipe, first = kimi_run
+    recs = journal_records(pipe.journal, first["gen"])
+    by_conv = _keys_by_conversation(first["gen"])
+    (a, b, c) = sorted(by_conv.values())  # three conversations of at least two turns
+
+    def refused(key, message):
+        return {"key": key, "status": "rejected", "prompt_id": recs[key]["prompt_id"],
+                "message": message}  # fmt: skip
+
+    dup = "Duplicate request ID detected: 0123"  # not the prompt's fault: asked again
+    too_long = "Input length (9 tokens) exceeds the maximum allowed length"  # final
+    kept = (
+        [recs[a[0]], refused(a[1], dup), *(recs[k] for k in a[2:])]  # replay meets the refusal
+        + [refused(b[1], dup), *(recs[k] for k in b[2:])]  # turn 1 asked; follow meets it
+        + [recs[c[0]], refused(c[1], too_long)]  # the conversation ends there, as journaled
+    )
+    jdir = write_journal(tmp_path / "journal", kept)
+    r = Pipeline(tmp_path, pipe.tok_cfg, pipe.think_end, jdir).run(
+        pipe.tmp / "data" / "a.jsonl", "rerun"
+    )
+    assert r["meta"]["counts"]["requested"] == 3  # a's turn 2, b's turns 1 and 2
+    ends = {row["prompt_id"]: row["conversation_end"] for row in r["gen"].to_pylist()}
+    pid_c = recs[c[0]]["prompt_id"]
+    assert ends[pid_c] == "engine_rejected"
+    keep = [g for g in first["gen"].to_pylist() if g["prompt_id"] != pid_c]
+    got = [g for g in r["gen"].to_pylist() if g["prompt_id"] != pid_c]
+    assert [{k: g[k] for k in GEN_COLUMNS} for g in got] == [
+        {k: g[k] for k in GEN_COLUMNS} for g in keep
+    ]
+
+
+def _keys_by_conversation(gen) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for g in sorted(gen.to_pylist(), key=lambda g: (g["prompt_id"], g["turn"])):
+        out.setdefault(g["prompt_id"], []).append(g["sample_key"])
+    return out
 
 
 def test_one_turn_edit_regenerates_that_conversation_from_that_turn(kimi_run, tmp_path):
@@ -243,6 +324,75 @@ def test_one_turn_edit_regenerates_that_conversation_from_that_turn(kimi_run, tm
     assert len(changed) == 1
     (old,) = set(before) - set(after)
     assert after[changed.pop()][:2] == before[old][:2]
+    # The old turn 3 is no longer asked for: compaction sets it aside, as for a plain shard...
+    assert r["meta"]["journal"]["compaction"]["stale_added"] == 1
+    # ... and the edit undone finds it there.
+    back = again.run(pipe.tmp / "data" / "a.jsonl", "undone")
+    assert back["meta"]["counts"]["requested"] == 0
+    assert back["gen"].select(GEN_COLUMNS).equals(first["gen"].select(GEN_COLUMNS))
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": CITY}}]
+
+
+def tool_record(city: str) -> dict:
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": city}}}
+    return {"messages": [
+        {"role": "user", "content": f"Weather in {city}?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": f"Sunny in {city}."},
+        {"role": "assistant", "content": f"It is sunny in {city}."},
+        {"role": "user", "content": "Thanks."},
+        {"role": "assistant", "content": "You are welcome."},
+    ], "tools": TOOLS}  # fmt: skip
+
+
+@pytest.mark.parametrize(("think_end", "exact"), [(None, True), ("</think>", False)])
+def test_a_tool_call_turn_goes_on_only_when_the_model_made_the_dataset_call(
+    tmp_path, think_end, exact
+):
+    tok_cfg = {"path": "sample/model", "chat_template": str(TEMPLATES / "qwen3_like.jinja")}
+    tok = _load(tok_cfg)
+    stop = tok.convert_tokens_to_ids(STOP)
+    paris, tools = formats.to_conversation(tool_record("Paris"), "messages")
+
+    def render(messages, generation_prompt):
+        return list(tok.apply_chat_template(messages, tools=tools, tokenize=True,
+                                            add_generation_prompt=generation_prompt,
+                                            return_dict=False))  # fmt: skip
+
+    # The stand-in engine makes the dataset's call in Paris (its ids through the stop id), then
+    # answers the tool result with its own words; in Rome it says something else.
+    p1, with_call = render(paris[:1], True), render(paris[:2], False)
+    rest = with_call[len(p1) :]
+    call = rest[: rest.index(stop) + 1]
+    answer = tok.encode("Sunny, it says.", add_special_tokens=False) + [stop]
+    script = [{"ends_with": p1, "output": call},
+              {"ends_with": render(paris[:3], True), "output": answer}]  # fmt: skip
+    (tmp_path / "script.json").write_text(json.dumps(script))
+    (tmp_path / "data").mkdir()
+    with (tmp_path / "data" / "a.jsonl").open("w") as f:
+        f.writelines(json.dumps(tool_record(c)) + "\n" for c in ("Paris", "Rome"))
+    command = ["{python}", fake_sglang.FAKE, "--model-path", "{model}", "--skip-tokenizer-init",
+               "--host", "{host}", "--port", "{port}",
+               "--script", str(tmp_path / "script.json")]  # fmt: skip
+    r = Pipeline(tmp_path, tok_cfg, think_end, tmp_path / "journal", command=command).run(
+        tmp_path / "data" / "a.jsonl", "x"
+    )
+    assert r["tok"].column("prefix_exact").to_pylist() == [exact, exact]
+    turns = check_turn_prompts(r, tok_cfg, think_end)
+    ends = {g["prompt_id"]: g["conversation_end"] for g in r["gen"].to_pylist()}
+    pid_paris = formats.prompt_id(paris, tools)
+    (pid_rome,) = set(ends) - {pid_paris}
+    # Paris: the matched call goes on with the dataset's call and tool result, to the end.
+    assert [o for _, o in turns[pid_paris][:2]] == [call, answer]
+    result = "<tool_response>\nSunny in Paris.\n</tool_response>"
+    assert result in tok.decode(turns[pid_paris][1][0])
+    assert (len(turns[pid_paris]), ends[pid_paris]) == (3, "complete")
+    # Rome: kept as a sample, and the conversation ends at the call the model did not make.
+    assert (len(turns[pid_rome]), ends[pid_rome]) == (1, "tool_call_diverged")
+    assert r["meta"]["counts"]["conversation_ends"] == {"complete": 1, "tool_call_diverged": 1}
 
 
 def test_prefix_exact_template_gives_one_sequence_per_conversation(tmp_path):

@@ -8,7 +8,9 @@ Each turn is a sample like any other: its key is the sample key of its prompt id
 the model's own earlier answers, so
 
 - a killed job resumes at the first unjournaled turn of each conversation (replay walks the
-  journal turn by turn: turn 1's key, its answer, turn 2's prompt and key, ...);
+  journal turn by turn: turn 1's key, its answer, turn 2's prompt and key, ...); a journaled
+  refusal that does not blame the prompt is asked again, as in a plain shard
+  (journal.Index.ask_again);
 - an edited turn changes the conversation's prompt_id (and possibly its shard) and the prompt
   ids from that turn on: the turns before it hit the journal, the rest are generated again.
 
@@ -19,8 +21,9 @@ imports transformers (loaded once, on the first such conversation).
 
 Output (contracts.GENERATED_TURNS): one row per generated turn, (prompt_id, turn) order, with
 the turn's prompt ids and why the conversation stopped; a conversation whose first turn was
-refused is a rejected row. The shard's journal is not compacted (its keys are not known up
-front); its JSONL files are read whole on a rerun.
+refused is a rejected row. Once every conversation ended, the shard's keys are known (every
+turn's) and its journal is compacted like a plain shard's (`compact`): records of other keys go
+to the stale file, which replay searches for a turn missing elsewhere.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ def is_conversation_shard(path) -> bool:
 class Conversations:
     """The conversations of one shard and where each one stands."""
 
-    def __init__(self, path, fingerprint: str, seed_policy: str, stop_ids, tok_cfg, basedir):
+    def __init__(self, path, fingerprint: str, seed_policy: str, stop_ids, tok_cfg, basedir,
+                 prompt_at_fault):  # fmt: skip
         meta = contracts.read_metadata(path)
         self.rows = pq.read_table(path).to_pylist()
         self.fingerprint, self.seed_policy = fingerprint, seed_policy
@@ -60,6 +64,8 @@ class Conversations:
         mpt = meta.get(META_MAX_PROMPT_TOKENS)
         self.max_prompt_tokens = int(mpt) if mpt else None
         self.tok_cfg, self.basedir = tok_cfg, basedir
+        # The engine's rule for which journaled refusals are final (journal.Index.ask_again).
+        self.prompt_at_fault = prompt_at_fault
         self._tokenizer = None
         n = len(self.rows)
         self.turns: list[list[dict]] = [[] for _ in range(n)]  # {"prompt", "key", "rec"}
@@ -131,13 +137,19 @@ class Conversations:
             else:
                 self.prompt[c] = nxt
 
-    def replay(self, index: journal.Index) -> None:
-        """Walk the journal turn by turn (one fetch per turn depth); what is not journaled
-        becomes the pending items."""
+    def replay(self, index: journal.Index, search_stale=None) -> None:
+        """Walk the journal turn by turn (one fetch per turn depth); what is not journaled for
+        good (a refusal that does not blame the prompt is asked again, as in a plain shard)
+        becomes the pending items. `search_stale(index, keys)`: look for missing keys among the
+        records the shard's compaction set aside."""
         frontier = list(range(len(self.rows)))
         while frontier:
             items = {c: self._item(c) for c in frontier}
-            have = [c for c in frontier if index.has(items[c].key)]
+            ks = [it.key for it in items.values()]
+            if search_stale is not None:
+                search_stale(index, [k for k in ks if not index.has(k)])
+            again = index.ask_again(ks, self.prompt_at_fault)
+            have = [c for c in frontier if index.done(items[c].key, again)]
             for c in frontier:
                 if c not in have:
                     self._wait(c, items[c])
@@ -177,8 +189,13 @@ class Conversations:
             if self.end[c] is not None:
                 continue
             item = self._item(c)
-            if index is not None and index.has(item.key) and item.key not in self.waiting:
+            if (
+                index is not None
+                and item.key not in self.waiting
+                and index.done(item.key, index.ask_again([item.key], self.prompt_at_fault))
+            ):
                 fetched = journal.table_to_records(index.fetch([item.key]))[0]
+                self.from_journal += 1
                 todo.append((c, item.key, fetched))
                 continue
             new = self._wait(c, item)
@@ -187,6 +204,11 @@ class Conversations:
         return out
 
     # -- output
+    def keys(self) -> list[str]:
+        """Every turn's key, output order (prompt_id, turn), each once."""
+        order = sorted(range(len(self.rows)), key=lambda i: self.rows[i]["prompt_id"])
+        return list(dict.fromkeys(t["key"] for c in order for t in self.turns[c]))
+
     def counts(self) -> dict:
         ends = collections.Counter(e or "unfinished" for e in self.end)
         turns = sum(len(t) for t in self.turns)
@@ -256,7 +278,7 @@ async def run(args, gen: dict, tok_cfg: dict, meta: dict, t0: float | None = Non
     stop_ids, _ = st.resolve_stop_ids(gen, tok_cfg, args.basedir, shard.metadata)
     convs = Conversations(
         args.tokenized, fingerprint, gen.get("seed_policy", "none"), stop_ids, tok_cfg,
-        args.basedir,
+        args.basedir, api.prompt_at_fault,
     )  # fmt: skip
     if shard.num_shards is not None:
         journal.ensure_layout(args.journal_dir, args.category, shard.num_shards)
@@ -265,7 +287,7 @@ async def run(args, gen: dict, tok_cfg: dict, meta: dict, t0: float | None = Non
     clock = {"t0": t_run if t0 is None else t0, "run": t_run}
     job = st.Job(args, gen, tok_cfg, meta, clock, shard, sj, index, {})
     try:
-        convs.replay(index)
+        convs.replay(index, sj.search_stale)
         clock["replayed"] = time.monotonic()
         missing = convs.pending()
         job.counts.update(
@@ -292,6 +314,8 @@ async def run(args, gen: dict, tok_cfg: dict, meta: dict, t0: float | None = Non
             "tokenmill.records_in": str(len(convs.rows)),
         }
         turns, rejected = convs.write(args.out, args.rejected, args.category, file_meta)
+        index.close()  # compaction deletes the JSONL files it read
+        meta["journal"]["compaction"] = compact(sj, convs.keys(), args.category, shard.num_shards)
         job.counts.update(convs.counts(), kept_turns=turns, rejected=rejected)
         job.counts.setdefault("requested", 0)
         meta["timing"] = timing = st._timing(clock, t_write, time.monotonic())
@@ -301,3 +325,27 @@ async def run(args, gen: dict, tok_cfg: dict, meta: dict, t0: float | None = Non
     finally:
         index.close()
     return 0
+
+
+def compact(sj: journal.ShardJournal, turn_keys: list[str], category: str, num_shards):
+    """Fold the shard's journal into {shard}.parquet as a plain shard does (stage._write): once
+    every conversation ended, the shard's keys are known (every turn's); records of other keys
+    (edited conversations, older settings) go to the stale file."""
+    from tokenmill.generate import stage as st
+
+    index = sj.open(set(turn_keys))
+    try:
+        sj.search_stale(index, set(turn_keys) - index.entries.keys())
+        if not sj.needs_compaction(index):
+            return None
+        compaction = journal.Compaction(sj, index, category)
+        try:
+            have = [k for k in turn_keys if index.has(k)]  # engine errors are not journaled
+            for start in range(0, len(have), st.FETCH_ROWS):
+                compaction.add(index.fetch(have[start : start + st.FETCH_ROWS]))
+        except BaseException:
+            compaction.abort()
+            raise
+        return st.commit_compaction(compaction, num_shards)
+    finally:
+        index.close()

@@ -434,6 +434,20 @@ class Index:
     def ok(self, key: str) -> bool:
         return self.entries[key][3]
 
+    def ask_again(self, keys: Iterable[str], prompt_at_fault: Callable[[str], bool]) -> set[str]:
+        """The journaled refusals among `keys` to send again: those whose message does not blame
+        the prompt. Earlier versions journaled every 400 as final ("Duplicate request ID"
+        included); only a 400 that blames the prompt (the engine's `prompt_at_fault`) is."""
+        refused = list(dict.fromkeys(k for k in keys if self.has(k) and not self.ok(k)))
+        if not refused:
+            return set()
+        messages = self.fetch(refused).column("message").to_pylist()
+        return {k for k, m in zip(refused, messages, strict=True) if not prompt_at_fault(m or "")}
+
+    def done(self, key: str, again: set[str]) -> bool:
+        """Does the journal answer `key` for good (see ask_again)?"""
+        return self.has(key) and key not in again
+
     def fetch(self, keys: list[str]) -> pa.Table:
         """The records of `keys` (all indexed) as one JOURNAL table, in the order given."""
         by_src: dict[int, list[tuple[int, int, int]]] = {}

@@ -397,17 +397,11 @@ async def run(args, gen: dict, tok_cfg: dict, meta: dict, t0: float | None = Non
 
 def _missing_items(job: Job, api) -> list[Item]:
     """One item per sample the journal does not hold (duplicate prompts share one), and per
-    journaled refusal that does not blame the prompt: earlier versions journaled every 400 as
-    final, "Duplicate request ID" included, and only a 400 that blames the prompt stays final."""
-    refused = [k for k in job.index.entries if not job.index.ok(k)]
-    ask_again: set[str] = set()
-    if refused:
-        messages = job.index.fetch(refused).column("message").to_pylist()
-        ask_again = {k for k, m in zip(refused, messages, strict=True)
-                     if not api.prompt_at_fault(m or "")}  # fmt: skip
+    journaled refusal to ask again (journal.Index.ask_again)."""
+    again = job.index.ask_again(job.index.entries, api.prompt_at_fault)
     missing, seen = [], set()
     for i, k in enumerate(job.shard.keys):
-        if i in job.pre_rejected or k in seen or (job.index.has(k) and k not in ask_again):
+        if i in job.pre_rejected or k in seen or job.index.done(k, again):
             continue
         seen.add(k)
         missing.append(job.shard.item(i))
@@ -578,16 +572,7 @@ def _write(job: Job, fingerprint: str) -> None:
         if compaction is not None:
             compaction.abort()
         raise
-    meta["journal"]["compaction"] = None
-    if compaction is not None:
-        try:
-            meta["journal"]["compaction"] = compaction.commit(shard.num_shards)
-        except (OSError, journal.JournalError) as exc:
-            # The output is written and the journal still holds every record (the old files
-            # or a superset of them): the next run compacts again.
-            compaction.abort()
-            log.warning("journal compaction failed, the journal is left as it was: %s", exc)
-            meta["journal"]["compaction"] = {"error": str(exc)}
+    meta["journal"]["compaction"] = commit_compaction(compaction, shard.num_shards)
     counts.update(kept=kept, rejected=rejected, output_tokens=out_tokens)
     counts.setdefault("requested", 0)
     counts.setdefault("restarts", 0)
@@ -601,6 +586,21 @@ def _write(job: Job, fingerprint: str) -> None:
     }
     log.info("shard %s/%s done: %s", args.category, args.shard, json.dumps(counts, sort_keys=True))
     log.info("timing: %s", json.dumps(timing, sort_keys=True))
+
+
+def commit_compaction(compaction: journal.Compaction | None, num_shards) -> dict | None:
+    """Swap the compacted journal in once the output is written; what meta["journal"]
+    ["compaction"] records (None: nothing to compact)."""
+    if compaction is None:
+        return None
+    try:
+        return compaction.commit(num_shards)
+    except (OSError, journal.JournalError) as exc:
+        # The output is written and the journal still holds every record (the old files or a
+        # superset of them): the next run compacts again.
+        compaction.abort()
+        log.warning("journal compaction failed, the journal is left as it was: %s", exc)
+        return {"error": str(exc)}
 
 
 def _timing(clock: dict, t_write: float, t_end: float) -> dict:
