@@ -54,15 +54,17 @@ def by_category(p: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def tokenized(tmp_path_factory):
-    """The sample data's code (2 shards) and chat (1 shard) categories, tokenized for real."""
+    """The sample data's code (2 shards), chat (1 shard) and multiturn (`context: regenerated`,
+    1 shard) categories, tokenized for real."""
     workdir = tmp_path_factory.mktemp("plan")
     for name in ("Snakefile", "config.yaml"):
         shutil.copy2(ROOT / name, workdir / name)
     for name in ("workflow", "sample", "profiles"):
         shutil.copytree(ROOT / name, workdir / name, ignore=shutil.ignore_patterns("__pycache__"))
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
-    cfg["categories"] = {k: cfg["categories"][k] for k in ("code", "chat")}
+    cfg["categories"] = {k: cfg["categories"][k] for k in ("code", "chat", "multiturn")}
     cfg["categories"]["chat"]["shards"] = 1
+    cfg["categories"]["multiturn"]["shards"] = 1
     cfg["generation"]["sampling"]["max_new_tokens"] = 32
     cfg["generation"]["concurrency"] = 4
     cfg["dataset"]["export_jsonl"] = False
@@ -90,6 +92,15 @@ def test_before_generation_every_prompt_is_still_to_send(tokenized):
         assert r["output_source"] == "max_new_tokens (upper bound)"
         assert r["expected_output_tokens"] == rows * 32
         assert r["gpu_hours"] is None  # no throughput given
+        assert r["to_send_upper_bound"] is False
+    # Conversations: every turn of every conversation is still to send (at most: a conversation
+    # may end early), and the table says it is an upper bound.
+    conv = pq.read_table(tokenized / "results/tokenized/multiturn/000.parquet")
+    r = p["multiturn"]
+    assert r["prompts"] == conv.num_rows and r["to_send_upper_bound"] is True
+    assert r["to_send"] == sum(conv.column("num_turns").to_pylist()) > conv.num_rows
+    assert r["expected_output_tokens"] == r["to_send"] * 32
+    assert f"<={r['to_send']}" in plan(tokenized)
     text = plan(tokenized, "--throughput", "100")
     assert "category" in text and "GPU h" in text and "total" in text, text
     t = by_category(plan(tokenized, "--throughput", "100", "--json"))["code"]
@@ -108,18 +119,24 @@ def test_pilot_journals_its_samples_and_measures_them(tokenized, tmp_path):
     (workdir / "pilot.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     before = by_category(plan(workdir, "--json", config="pilot.yaml"))
     p = plan(workdir, "--pilot", "3", "--json", config="pilot.yaml")
-    assert fake_sglang.count_requests(counter) == 6 and p["pilot"]["requests"] == 6
+    assert fake_sglang.count_requests(counter) == 9 and p["pilot"]["requests"] == 9
     assert p["throughput_source"] == "pilot" and p["throughput_tok_s"] > 0
     for cat, r in by_category(p).items():
         assert r["output_source"] == "pilot n=3", r
-        assert r["to_send"] == before[cat]["to_send"] - 3 and r["journaled"] == 3, r
+        assert r["journaled"] == 3, r
+        if cat != "multiturn":
+            assert r["to_send"] == before[cat]["to_send"] - 3, r
+        else:  # three first turns sent; a conversation they ended drops its later turns
+            assert r["to_send"] <= before[cat]["to_send"] - 3, r
         assert r["gpu_hours"] is not None
     # The next plan reads the pilot's samples from the journal: nothing is paid twice.
     after = by_category(plan(workdir, "--json", config="pilot.yaml"))
     assert {c: (r["journaled"], r["output_source"]) for c, r in after.items()} == {
         "code": (3, "journal n=3"),
         "chat": (3, "journal n=3"),
+        "multiturn": (3, "journal n=3"),
     }
+    assert after["multiturn"]["to_send"] == by_category(p)["multiturn"]["to_send"]
 
 
 def test_after_the_run_nothing_is_left_and_lengths_are_measured(tokenized):
@@ -135,6 +152,14 @@ def test_after_the_run_nothing_is_left_and_lengths_are_measured(tokenized):
         assert r["journaled"] == rows and r["expected_output_tokens"] == 0, r
         assert r["output_source"] == f"journal n={len(lengths)}", r
         assert r["mean_output_tokens"] == round(sum(lengths) / len(lengths), 1), r
+    # Conversations: the journal replayed turn by turn, as the generate job did, finds every
+    # generated turn (more than one per conversation) and nothing left to send.
+    r = p["multiturn"]
+    turns = pq.read_table(tokenized / "results/generated/multiturn/000.parquet")
+    lengths = pc.list_value_length(turns.column("output_ids")).to_pylist()
+    assert (r["to_send"], r["expected_output_tokens"]) == (0, 0), r
+    assert r["journaled"] == turns.num_rows > r["prompts"], r
+    assert r["mean_output_tokens"] == round(sum(lengths) / len(lengths), 1), r
 
 
 def test_bad_arguments_and_config_fail_clearly(tokenized, tmp_path):

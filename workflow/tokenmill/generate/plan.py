@@ -18,6 +18,11 @@ requests does not fill the engine's batch the way a shard does). Job hours = tok
 throughput; GPU-hours = job hours x GPUs per job (gpus x nnodes). Engine start-up (once per job)
 is not included. The largest shard's hours are compared with generation.resources.runtime_min.
 
+A `context: regenerated` category (docs/multi-turn.md) counts conversations as prompts; its
+requests still to send are the turns not journaled yet, found by replaying the journal as the
+generate job does (generate/conversations.py). That is an upper bound ("<=" in the table): a
+conversation ends early at a truncated turn or a tool call the model made differently.
+
 Run it before submitting (the tokenize stage must have run: `snakemake --until
 tokenize_prompts ...`); a dry run cannot show it, because the generate jobs are behind the
 tokenize checkpoint. `--pilot` starts the engine where it runs: in managed mode run it inside a
@@ -40,7 +45,7 @@ import pyarrow.parquet as pq
 
 from tokenmill import keys
 from tokenmill.config import ConfigError, load_config
-from tokenmill.generate import journal
+from tokenmill.generate import conversations, journal
 from tokenmill.generate.resources import category_resources, gpus_per_job
 from tokenmill.tokenization.shards import shard_names
 
@@ -65,6 +70,9 @@ class CategoryPlan:
         self.shard_metadata: dict = {}  # one tokenized shard's metadata (stop token ids)
         self.wanted: dict[str, str] = {}  # key -> shard
         self.items: dict[str, object] = {}
+        self.config, self.basedir = config, basedir
+        self.conversation_shards: dict[str, Path] = {}
+        self.turns_left: dict[str, int] = {}  # conversation shard -> turns not journaled yet
         for name in names:
             path = results / "tokenized" / category / f"{name}.parquet"
             if not path.exists():
@@ -76,6 +84,9 @@ class CategoryPlan:
             ntok = pq.read_table(path, columns=["num_prompt_tokens"]).column(0)
             self.prompt_tokens += int(pc.sum(ntok).as_py() or 0)
             self.shards[name] = []
+            if conversations.is_conversation_shard(path):
+                self.conversation_shards[name] = path
+                continue
             for i in range(len(shard)):
                 if len(shard.ids(i)) and shard.keys[i] not in self.wanted:
                     self.wanted[shard.keys[i]] = name
@@ -85,6 +96,36 @@ class CategoryPlan:
 
     def refresh(self) -> None:
         self.records, _ = journal.load(self.journal_dir, self.category, self.wanted)
+        self.pending: dict[str, list] = {}  # conversation shard -> the next turns to send
+        for name, path in self.conversation_shards.items():
+            convs = self._replay(name, path)
+            self.pending[name] = convs.pending()
+            self.turns_left[name] = sum(
+                row["num_turns"] - len(turns)
+                for row, turns, end in zip(convs.rows, convs.turns, convs.end, strict=True)
+                if end is None
+            )
+            for turns in convs.turns:
+                self.records.update((t["key"], t["rec"]) for t in turns)
+
+    def _replay(self, name: str, path: Path):
+        """The shard's conversations, replayed from the journal exactly as generate does."""
+        from tokenmill.generate import engines
+        from tokenmill.generate.stage import resolve_stop_ids
+
+        gen, tok_cfg = self.config["generation"], self.config["tokenizer"]
+        stop_ids, _ = resolve_stop_ids(gen, tok_cfg, str(self.basedir), self.shard_metadata)
+        convs = conversations.Conversations(
+            path, self.fingerprint, gen.get("seed_policy", "none"), stop_ids, tok_cfg,
+            str(self.basedir), engines.for_config(gen).prompt_at_fault,
+        )  # fmt: skip
+        sj = journal.ShardJournal(self.journal_dir, self.category, name)
+        index = sj.open(None)
+        try:
+            convs.replay(index, sj.search_stale)
+        finally:
+            index.close()
+        return convs
 
     @property
     def tokenized(self) -> int:
@@ -95,7 +136,13 @@ class CategoryPlan:
         for key, name in self.wanted.items():
             if key not in self.records:
                 out[name].append(self.items[key])
+        for name, items in self.pending.items():
+            out[name] = list(items)
         return out
+
+    def requests_left(self) -> dict[str, int]:
+        """Requests still to send per shard (conversation shards: every turn not journaled)."""
+        return {name: self.turns_left.get(name, len(v)) for name, v in self.to_send().items()}
 
     def output_lengths(self) -> list[int]:
         return [
@@ -105,8 +152,8 @@ class CategoryPlan:
 
 def _row(cp: CategoryPlan, config: dict, throughput: float | None, pilot: dict | None) -> dict:
     gen = config["generation"]
-    todo = cp.to_send()
-    n_send = sum(len(v) for v in todo.values())
+    todo = cp.requests_left()
+    n_send = sum(todo.values())
     lengths = (pilot or {}).get("lengths") or []
     if lengths:
         source = f"pilot n={len(lengths)}"
@@ -123,6 +170,7 @@ def _row(cp: CategoryPlan, config: dict, throughput: float | None, pilot: dict |
         "shards_tokenized": cp.tokenized,
         "journaled": len(cp.records),
         "to_send": n_send,
+        "to_send_upper_bound": bool(cp.conversation_shards),
         "mean_output_tokens": round(mean_out, 1),
         "output_source": source,
         "expected_output_tokens": round(n_send * mean_out),
@@ -135,7 +183,7 @@ def _row(cp: CategoryPlan, config: dict, throughput: float | None, pilot: dict |
     if throughput:
         row["job_hours"] = round(row["expected_output_tokens"] / throughput / 3600, 3)
         row["gpu_hours"] = round(row["job_hours"] * row["gpus_per_job"], 3)
-        biggest = max((len(v) for v in todo.values()), default=0)
+        biggest = max(todo.values(), default=0)
         row["largest_shard_min"] = round(biggest * mean_out / throughput / 60, 1)
     return row
 
@@ -182,6 +230,9 @@ COLUMNS = [
 ]
 
 
+UPPER_BOUNDED = ("to_send", "expected_output_tokens", "job_hours", "gpu_hours")
+
+
 def format_table(plan: dict) -> str:
     rows = plan["categories"]
     total = {"category": "total", "output_source": ""}
@@ -192,11 +243,14 @@ def format_table(plan: dict) -> str:
         vals = [r[key] for r in rows]
         total[key] = round(sum(vals), 3) if all(v is not None for v in vals) else None
     total["mean_output_tokens"] = ""
+    total["to_send_upper_bound"] = any(r["to_send_upper_bound"] for r in rows)
 
     def cell(r, key):
         v = r.get(key)
         if key == "shards" and "shards_tokenized" in r and r["shards_tokenized"] != r["shards"]:
             return f"{r['shards_tokenized']}/{r['shards']}"
+        if v is not None and key in UPPER_BOUNDED and r["to_send_upper_bound"]:
+            return f"<={v}"  # conversations may end before their last turn
         return "-" if v is None else str(v)
 
     table = [[title for _, title in COLUMNS]]
