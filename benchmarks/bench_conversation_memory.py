@@ -25,27 +25,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 import fake_sglang  # noqa: E402
-import pyarrow as pa  # noqa: E402
+from bench_conversations import conversation_shard  # noqa: E402
 
-from tokenmill import contracts  # noqa: E402
 from tokenmill.generate.launch import free_port  # noqa: E402
 
 STOP = 2
-
-
-def conversation_shard(path: Path, n: int, turns: int) -> None:
-    rows = []
-    for c in range(n):
-        prompt = [1000 + c % 500, 1000 + c // 500 % 500, *range(10, 60)]  # distinct up to 250k
-        rows.append({
-            "prompt_id": f"{c:032x}", "prompt_ids": prompt, "num_prompt_tokens": len(prompt),
-            "num_turns": turns, "prefix_exact": True,
-            "turn_segments": [[5, 6, 100 + k, 7] for k in range(turns - 1)],
-            "tool_call_ids": [None] * turns, "messages": "[]", "tools": None,
-        })  # fmt: skip
-    meta = {contracts.META_CONTEXT: "regenerated", "tokenmill.max_prompt_tokens": "100000"}
-    schema = contracts.TOKENIZED_CONVERSATIONS
-    contracts.write_table(pa.Table.from_pylist(rows, schema=schema), path, schema, "tokenize", meta)
 
 
 def generate(tmp: Path, tokenized: Path, tag: str) -> dict:
@@ -82,7 +66,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as d:
             tmp = Path(d)
             tokenized = tmp / "000.parquet"
-            conversation_shard(tokenized, args.conversations, args.turns)
+            conversation_shard(tokenized, [args.turns] * args.conversations)
             gen = {
                 "engine": "sglang", "mode": "external", "model": "fake/model", "revision": None,
                 "external": {"urls": [f"http://127.0.0.1:{port}"]},

@@ -54,9 +54,11 @@ def independent(url: str, n: int, jdir: str) -> float:
 
 
 def conversation_shard(path: Path, turns: list[int]) -> None:
+    """Prefix-exact conversations with turns[c] turns each; first prompts are distinct for up
+    to 250,000 conversations (bench_conversation_memory.py uses it too)."""
     rows = []
     for c, t in enumerate(turns):
-        prompt = [1000 + c % 500, *range(10, 60), c % 7]
+        prompt = [1000 + c % 500, 1000 + c // 500 % 500, *range(10, 60)]
         rows.append({
             "prompt_id": f"{c:032x}", "prompt_ids": prompt, "num_prompt_tokens": len(prompt),
             "num_turns": t, "prefix_exact": True,
