@@ -427,16 +427,26 @@ def test_prefix_exact_template_gives_one_sequence_per_conversation(tmp_path):
             text = tok.apply_chat_template(hist, add_generation_prompt=True, tokenize=False)
             assert tok.decode(p1) == text
     assert multi >= 2
-    d = r["dataset"].to_pylist()
-    assert len(d) == len({x["prompt_id"] for x in d})  # one sample per conversation
-    for row in d:
-        ts = turns[row["prompt_id"]]
-        kept = ts[: sum(1 for _ in ts)]
-        ones = sum(len(o) for _, o in kept)
-        if row["num_output_tokens"] == ones:  # every turn kept: mask covers each output
-            for p, o in kept:
-                assert row["loss_mask"][len(p) : len(p) + len(o)] == [1] * len(o)
-        assert sum(row["loss_mask"]) == row["num_output_tokens"]
+    # One sample per conversation: its turns up to the first truncated one (merge rejects that
+    # and the turns built on it), the last kept turn's prompt + output, loss 1 over every kept
+    # turn's output and 0 elsewhere.
+    finish = {(g["prompt_id"], g["turn"]): g["finish_type"] for g in r["gen"].to_pylist()}
+    expected = {}
+    for pid, ts in turns.items():
+        n_ok = next((k for k in range(len(ts)) if finish[pid, k] != "stop"), len(ts))
+        if n_ok:
+            expected[pid] = ts[:n_ok]
+    d = {row["prompt_id"]: row for row in r["dataset"].to_pylist()}
+    assert r["dataset"].num_rows == len(d) == len(expected) > 0
+    assert any(len(kept) > 1 for kept in expected.values())
+    for pid, kept in expected.items():
+        row = d[pid]
+        assert row["input_ids"] == kept[-1][0] + kept[-1][1]
+        mask = [0] * len(row["input_ids"])
+        for p, o in kept:
+            mask[len(p) : len(p) + len(o)] = [1] * len(o)
+        assert row["loss_mask"] == mask
+        assert row["num_output_tokens"] == sum(len(o) for _, o in kept)
     assert r["dataset_meta"]["tokenmill.conversation_samples"] == str(len(d))
 
 
