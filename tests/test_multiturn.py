@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import fake_sglang
@@ -72,6 +73,15 @@ class Pipeline:
         (tmp / "gen.json").write_text(json.dumps(self.gen))
         (tmp / "tok.json").write_text(json.dumps(tok_cfg))
 
+    def generate_argv(self, tokenized: Path, t: Path) -> list[str]:
+        """`tokenmill generate` of the shard `tokenized`, its outputs in `t`."""
+        return ["generate", "--generation-config", str(self.tmp / "gen.json"),
+                "--tokenizer-config", str(self.tmp / "tok.json"), "--category", "mt",
+                "--shard", "000", "--tokenized", str(tokenized),
+                "--out", str(t / "g.parquet"), "--rejected", str(t / "r.parquet"),
+                "--meta", str(t / "m.json"), "--journal-dir", str(self.journal),
+                "--log-dir", str(t / "logs")]  # fmt: skip
+
     def run(self, data: Path, tag: str) -> dict:
         t = self.tmp / tag
         t.mkdir()
@@ -83,12 +93,7 @@ class Pipeline:
             "--out-dir", str(t / "tok"), "--rejected", str(t / "tr.parquet"),
             "--stop-tokens", json.dumps([STOP]),
             f"--think-end-token={self.think_end or ''}")  # fmt: skip
-        cli("generate", "--generation-config", str(self.tmp / "gen.json"),
-            "--tokenizer-config", str(self.tmp / "tok.json"), "--category", "mt",
-            "--shard", "000", "--tokenized", str(t / "tok" / "000.parquet"),
-            "--out", str(t / "g.parquet"), "--rejected", str(t / "r.parquet"),
-            "--meta", str(t / "m.json"), "--journal-dir", str(self.journal),
-            "--log-dir", str(t / "logs"), timeout=self.generate_timeout)  # fmt: skip
+        cli(*self.generate_argv(t / "tok" / "000.parquet", t), timeout=self.generate_timeout)
         ds = {"max_sequence_tokens": 4096, "reject_truncated": True,
               "think_end_token": self.think_end}  # fmt: skip
         (t / "ds.json").write_text(json.dumps(ds))
@@ -269,6 +274,54 @@ def test_kill_between_turns_resumes_at_the_first_unjournaled_turn(kimi_run, tmp_
     assert again["meta"]["counts"]["turns_from_journal"] == total
     assert again["meta"]["journal"]["compaction"] is None
     assert again["gen"].select(GEN_COLUMNS).equals(first["gen"].select(GEN_COLUMNS))
+
+
+def test_sigkill_mid_conversation_resumes_without_asking_a_finished_turn_again(tmp_path):
+    """A real kill: the stand-in server answers 3 requests (the conversations' first turns) and
+    holds the rest (their second turns, sent because the first ones were journaled); the job is
+    SIGKILLed there. The rerun asks only for the turns not journaled, and its output is a clean
+    run's."""
+    write_data(tmp_path / "data" / "a.jsonl", CONVERSATIONS)
+    tok_cfg = {"path": "sample/model", "chat_template": str(TEMPLATES / "chatml_like.jinja")}
+
+    # one command for both runs: the launch command is part of the generation fingerprint
+    counter = tmp_path / "requests"
+    fake = ["{python}", fake_sglang.FAKE, "--model-path", "{model}", "--skip-tokenizer-init",
+            "--host", "{host}", "--port", "{port}", "--output-len", "3",
+            "--counter-file", str(counter), "--hold-file", str(tmp_path / "hold")]  # fmt: skip
+
+    (tmp_path / "clean").mkdir()
+    clean = Pipeline(tmp_path / "clean", tok_cfg, None, tmp_path / "clean" / "journal",
+                     command=fake).run(tmp_path / "data" / "a.jsonl", "x")  # fmt: skip
+    total = clean["gen"].num_rows
+    assert total == sum(clean["tok"].column("num_turns").to_pylist()) == 7  # none ended early
+    (tmp_path / "killed").mkdir()
+    pipe = Pipeline(tmp_path / "killed", tok_cfg, None, tmp_path / "killed" / "journal",
+                    command=fake)  # fmt: skip
+    out = tmp_path / "killed" / "k"
+    argv = [sys.executable, "-m", "tokenmill",
+            *pipe.generate_argv(clean["dir"] / "tok" / "000.parquet", out)]  # fmt: skip
+    (tmp_path / "hold").write_text("3")
+    job = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def journaled() -> int:
+        return sum(f.read_bytes().count(b"\n") for f in (pipe.journal / "mt").glob("*.jsonl"))
+
+    deadline = time.monotonic() + 120
+    while journaled() < 3 or fake_sglang.count_requests(counter) < total + 6:
+        assert time.monotonic() < deadline and job.poll() is None, "the job never got there"
+        time.sleep(0.05)
+    job.kill()
+    job.wait(timeout=10)
+    assert journaled() == 3  # the first turns; the second turns were in flight, held
+    (tmp_path / "hold").unlink()
+    asked = fake_sglang.count_requests(counter)
+    cli(*pipe.generate_argv(clean["dir"] / "tok" / "000.parquet", out))
+    assert fake_sglang.count_requests(counter) - asked == total - 3
+    meta = json.loads((out / "m.json").read_text())
+    assert meta["counts"]["turns_from_journal"] == 3 and meta["counts"]["requested"] == total - 3
+    resumed = pq.read_table(out / "g.parquet")
+    assert resumed.select(GEN_COLUMNS).equals(clean["gen"].select(GEN_COLUMNS))
 
 
 def test_a_journaled_refusal_that_does_not_blame_the_prompt_is_asked_again(kimi_run, tmp_path):
