@@ -187,8 +187,13 @@ class RejectionGuard:
         self.ok = 0
         self.refused = 0  # rejected + errored
         self.first: list[str] = []  # the first messages, for the error
+        # Once tripped, every worker raises this same error: another answer that lands before
+        # the run is stopped must not replace the counts at the moment the limit was passed.
+        self.tripped: TooManyRejections | None = None
 
     def add(self, rec: dict) -> None:
+        if self.tripped is not None:
+            raise self.tripped
         if rec["status"] == OK:
             self.ok += 1
             return
@@ -212,13 +217,14 @@ class RejectionGuard:
                 if systemic
                 else "nothing in the shard was generated"
             )
-            raise TooManyRejections(
+            self.tripped = TooManyRejections(
                 f"{self.refused} of {base} prompts refused by the engine ({why}; "
                 f"{self.ok} generated in this job, {self.ok_before} from the journal): this "
                 "looks like a config or server problem, not bad prompts. The refusals are not "
                 "journaled: a corrected config or server retries them. First messages:\n  "
                 + "\n  ".join(self.first)
             )
+            raise self.tripped
 
 
 class Client:
