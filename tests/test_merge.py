@@ -189,6 +189,25 @@ def test_null_reasoning_counts_without_think_end(tmp_path):
     assert t.column("num_answer_tokens").to_pylist() == [None]
 
 
+def test_reasoning_that_never_closed_is_all_reasoning(tmp_path):
+    """think-open 13, think-close 4, stop 2. "k": the prompt ends inside a thinking block
+    (Kimi-K2.5's generation prompt) and the output never closes it; "q": the output opens one
+    itself (Qwen3) and never closes it; "c": closed; "n": no block at all (all answer); "x":
+    the prompt's block was closed in the prompt (an earlier turn), so none is open."""
+    prompts = {"k": [7, 13], "q": [7, 3], "c": [7, 13], "n": [7, 3], "x": [13, 9, 4, 7]}
+    gens = [gen_row("k", prompts["k"], [8, 9, 2]), gen_row("q", prompts["q"], [13, 8, 9, 2]),
+            gen_row("c", prompts["c"], [8, 4, 9, 2]), gen_row("n", prompts["n"], [8, 9, 2]),
+            gen_row("x", prompts["x"], [8, 9, 2])]  # fmt: skip
+    _, out, _ = run_merge(tmp_path, prompts, gens, think_start_id=13)
+    t = {r["prompt_id"]: r for r in pq.read_table(out).to_pylist()}
+    counts = {p: (r["num_reasoning_tokens"], r["num_answer_tokens"]) for p, r in t.items()}
+    assert counts == {"k": (3, 0), "q": (4, 0), "c": (2, 2), "n": (0, 3), "x": (0, 3)}
+    # without a think-open id nothing is known to be open: outputs without think-close are answer
+    _, out, _ = run_merge(tmp_path / "no_start", prompts, gens)
+    t = {r["prompt_id"]: r for r in pq.read_table(out).to_pylist()}
+    assert (t["k"]["num_reasoning_tokens"], t["k"]["num_answer_tokens"]) == (0, 3)
+
+
 def test_every_reason_code(tmp_path):
     P = [5, 6]
     prompts = {p: P + [i] for i, p in enumerate("abcdefghijkl", start=5)}

@@ -356,10 +356,13 @@ def test_unknown_is_null_never_a_made_up_number(tmp_path):
     assert o["gpu_hours"] == pytest.approx((15.0 * 8 + 20.0 * 2) / 3600, abs=1e-6)
 
 
-def test_unterminated_reasoning_is_counted_as_reasoning(tmp_path):
+@pytest.mark.parametrize("merge_start_id", [3, None])
+def test_unterminated_reasoning_is_counted_as_reasoning(tmp_path, merge_start_id):
     """<think> = 3, </think> = 4. p: the template opened the block (Kimi), the output never
     closed it; r: the output opened it (Qwen3) and never closed it; q: closed; s: the prompt
-    holds a closed empty block (thinking off), the output is all answer."""
+    holds a closed empty block (thinking off), the output is all answer. Merge counts p and r as
+    reasoning itself (start id 3); a dataset merged without it (None: as earlier versions did,
+    all answer) is corrected by stats to the same figures."""
     r = tmp_path / "results"
     prompts = {"p": [5, 3], "q": [5, 3], "r": [5], "s": [5, 3, 8, 4]}
     outputs = {"p": [6, 7, 2], "q": [6, 4, 7, 2], "r": [3, 6, 2], "s": [7, 2]}
@@ -372,11 +375,14 @@ def test_unterminated_reasoning_is_counted_as_reasoning(tmp_path):
         gen,
         r / "dataset" / "t" / "000.parquet",
         r / "rejected" / "merge" / "t" / "000.parquet",
-        rules(),
+        rules(think_start_id=merge_start_id),
         merge.keys.generation_fingerprint(GEN_CFG),
         "t",
         "000",
     )
+    merged = pq.read_table(r / "dataset" / "t" / "000.parquet").to_pylist()
+    p_row = next(x for x in merged if x["prompt_id"] == "p")
+    assert p_row["num_answer_tokens"] == (0 if merge_start_id else 3)
     build_tokenizer(tmp_path / "tok")
     config = json.loads(json.dumps(CONFIG)) | {"categories": {"t": CONFIG["categories"]["chat"]}}
     s = _stats(r, config, tmp_path, basedir=tmp_path)
@@ -388,6 +394,6 @@ def test_unterminated_reasoning_is_counted_as_reasoning(tmp_path):
         "without_reasoning": 1,
     }
     assert t["lengths"]["reasoning_tokens"]["sum"] == 3 + 2 + 3 + 0
-    assert t["lengths"]["answer_tokens"]["sum"] == 0 + 2 + 0 + 2  # merge alone says 3 + 2 + 3 + 2
+    assert t["lengths"]["answer_tokens"]["sum"] == 0 + 2 + 0 + 2
     md = (tmp_path / "stats" / "summary.md").read_text()
     assert "| t | </think> | 1 | 2 | 1 |" in md

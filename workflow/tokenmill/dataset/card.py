@@ -26,8 +26,18 @@ COLUMNS = [
     ("loss_mask", "list<int8>", "0 over the prompt, 1 over the generated tokens"),
     ("num_prompt_tokens", "int32", "prompt length"),
     ("num_output_tokens", "int32", "generated length, the end-of-turn token included"),
-    ("num_reasoning_tokens", "int32?", "generated tokens up to and including think-end"),
-    ("num_answer_tokens", "int32?", "generated tokens after think-end"),
+    (
+        "num_reasoning_tokens",
+        "int32?",
+        "generated tokens up to and including think-end (all of "
+        "them when a thinking block was opened and never closed)",
+    ),
+    (
+        "num_answer_tokens",
+        "int32?",
+        "generated tokens after think-end (all of them when no "
+        "thinking block was open; 0 when one never closed)",
+    ),
     ("num_total_tokens", "int32", "len(input_ids)"),
     ("finish_type", "string", "the engine's finish reason (stop or length)"),
 ]

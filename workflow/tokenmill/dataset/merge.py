@@ -6,8 +6,9 @@
 Output columns (contracts.DATASET, results/dataset/{category}/{shard}.parquet, sorted by
 prompt_id): prompt_id, category, sample_key, input_ids list<int32>, loss_mask list<int8>,
 num_prompt_tokens, num_output_tokens, num_reasoning_tokens / num_answer_tokens (output tokens
-up to and including the first dataset.think_end_token / the rest; null when think_end_token is
-null), num_total_tokens, finish_type.
+up to and including the first dataset.think_end_token / the rest; an output that never closed a
+thinking block that was open is all reasoning (validate.unterminated); null when think_end_token
+is null), num_total_tokens, finish_type.
 
 Rows that fail validation (validate.py, one reason code each), duplicate and unknown generated
 rows, and tokenized prompts that were neither generated nor rejected by generate
@@ -454,11 +455,15 @@ def merge_conversation_shard(
                 "num_answer_tokens": None if reasoning is None else n_out - reasoning,
                 "num_total_tokens": n, "finish_type": fin}  # fmt: skip
 
-    def reasoning_of(out):
-        if rules.think_end_id is None:
-            return None
-        hits = np.flatnonzero(out == rules.think_end_id)
-        return int(hits[0]) + 1 if len(hits) else 0
+    def reasoning_of(prompt, out):
+        """One turn's reasoning tokens (validate.reasoning_counts), None without think-end."""
+        ids, off = np.concatenate([prompt, out]), np.array([0, len(prompt) + len(out)])
+        still_open = validate.unterminated(
+            ids, off, [len(prompt)], rules.think_start_id, rules.think_end_id
+        )
+        r, _ = validate.reasoning_counts(out, np.array([0, len(out)]), rules.think_end_id,
+                                         still_open)  # fmt: skip
+        return None if r is None else int(r[0])
 
     kept_convs = exact_kept = 0
     for pid in sorted(by_conv):
@@ -493,7 +498,7 @@ def merge_conversation_shard(
                 mask[len(p) : len(p) + len(o)] = 1
                 n_out += len(o)
                 if n_reason is not None:
-                    n_reason += reasoning_of(o)
+                    n_reason += reasoning_of(p, o)
             rows.append(row(pid, keys_[good[-1]], ids, mask, n_out, finish[good[-1]], n_reason))
             exact_kept += 1
         else:
@@ -501,7 +506,7 @@ def merge_conversation_shard(
                 p, o = turn(i)
                 mask = np.concatenate([np.zeros(len(p), np.int8), np.ones(len(o), np.int8)])
                 rows.append(row(pid, keys_[i], np.concatenate([p, o]), mask, len(o), finish[i],
-                                reasoning_of(o)))  # fmt: skip
+                                reasoning_of(p, o)))  # fmt: skip
     for pid in sorted(known - set(by_conv) - gen_rej):
         rej.append({"stage": "merge", "category": category, "reason": "not_generated",
                     "detail": validate.describe("not_generated"),
@@ -549,7 +554,8 @@ def _dataset_batch(p_off, p_val, o_off, o_val, g, gen_scalars, category, rules) 
     off32 = pa.array(off.astype(np.int32))
     p_len = np.diff(p_off).astype(np.int32)
     o_len = np.diff(o_off).astype(np.int32)
-    reasoning, answer = validate.reasoning_counts(o_val, o_off, rules.think_end_id)
+    still_open = validate.unterminated(ids, off, p_len, rules.think_start_id, rules.think_end_id)
+    reasoning, answer = validate.reasoning_counts(o_val, o_off, rules.think_end_id, still_open)
     n = len(g)
     picked = gen_scalars.take(pa.array(g))
     return pa.table(

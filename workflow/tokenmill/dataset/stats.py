@@ -37,7 +37,8 @@ Unknown is null (JSON) and "unknown" (tables), never a made-up number:
 - reasoning: with dataset.think_end_token set, an output without the think-end token is
   reasoning that never ended ("unterminated") when a thinking block was open: the prompt's
   chat template ended inside one (Kimi-K2.5) or the output opened one (Qwen3). Its tokens
-  count as reasoning, not as answer (merge counts them as answer: it looks at the output only).
+  count as reasoning, not as answer (as merge counts them; a dataset merged by an earlier
+  version, which counted them as answer, is corrected here).
   The think-open token is dataset.think_start_token, by default think_end_token without "/".
   Outputs without reasoning at all are "without_reasoning".
 
@@ -72,7 +73,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokenmill import contracts
-from tokenmill.dataset import draft_vocab
+from tokenmill.dataset import draft_vocab, validate
 
 STAGES = ("prepare", "tokenize", "generate", "merge")
 METRICS = ("prompt_tokens", "output_tokens", "reasoning_tokens", "answer_tokens", "total_tokens")
@@ -299,46 +300,22 @@ class ThinkTokens:
         return self.ids
 
 
-def _last_in_prompt(values, offsets, p_len, token) -> np.ndarray:
-    """Per row, the last position of `token` inside the prompt part (-1 when absent)."""
-    out = np.full(len(offsets) - 1, -1, dtype=np.int64)
-    hit = np.flatnonzero(values == token)
-    if hit.size:
-        rows = np.searchsorted(offsets, hit, side="right") - 1
-        pos = hit - offsets[rows]
-        keep = pos < p_len[rows]
-        np.maximum.at(out, rows[keep], pos[keep])
-    return out
-
-
-def _in_output(values, offsets, p_len, token) -> np.ndarray:
-    out = np.zeros(len(offsets) - 1, dtype=bool)
-    hit = np.flatnonzero(values == token)
-    if hit.size:
-        rows = np.searchsorted(offsets, hit, side="right") - 1
-        out[rows[hit - offsets[rows] >= p_len[rows]]] = True
-    return out
-
-
 def unterminated(table, think: ThinkTokens) -> np.ndarray:
-    """Rows whose output never closed a thinking block that was open: no think-end in the
-    output (merge's reasoning count is 0) and either the prompt ended inside a thinking block
-    (its last think-open after its last think-close) or the output opened one."""
+    """Rows whose output never closed a thinking block that was open (validate.unterminated).
+    Merge counts such an output as all reasoning; datasets merged before it did show reasoning
+    0 there, and are corrected here the same way."""
     reasoning = table.column("num_reasoning_tokens").to_numpy(zero_copy_only=False)
-    candidates = np.nan_to_num(reasoning.astype(np.float64), nan=-1) == 0
+    out_len = table.column("num_output_tokens").to_numpy(zero_copy_only=False)
+    reasoning = np.nan_to_num(reasoning.astype(np.float64), nan=-1)
+    candidates = (reasoning == 0) | (reasoning == out_len)  # no think-end (or all reasoning)
     if not candidates.any():
         return candidates
     start, end = think.get()
-    if start is None:
-        return np.zeros(len(candidates), dtype=bool)
     col = table.column("input_ids").combine_chunks()
     offsets = np.asarray(col.offsets, dtype=np.int64)
     values = col.values.to_numpy(zero_copy_only=False)
     p_len = table.column("num_prompt_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
-    open_in_prompt = _last_in_prompt(values, offsets, p_len, start) > (
-        _last_in_prompt(values, offsets, p_len, end) if end is not None else -1
-    )
-    return candidates & (open_in_prompt | _in_output(values, offsets, p_len, start))
+    return candidates & validate.unterminated(values, offsets, p_len, start, end)
 
 
 def _lengths(dataset: list[Path], think: ThinkTokens) -> tuple[dict, dict]:

@@ -50,6 +50,7 @@ class Rules:
     vocab_size: int
     stop_ids: tuple[int, ...] = ()
     think_end_id: int | None = None
+    think_start_id: int | None = None
     max_sequence_tokens: int = 32768
     reject_truncated: bool = True
     require_think_end: bool = False
@@ -68,10 +69,19 @@ def rules_from_config(dataset_cfg: dict, generation_cfg: dict, tokenizer) -> Rul
         stop.append(int(tokenizer.eos_token_id))
     think = dataset_cfg.get("think_end_token")
     think_id = resolve_token_ids(tokenizer, [think])[0] if think is not None else None
+    start_id = None
+    if think is not None and dataset_cfg.get("think_start_token"):
+        start_id = resolve_token_ids(tokenizer, [dataset_cfg["think_start_token"]])[0]
+    elif think is not None and think.startswith("</"):
+        try:  # the default <think> for </think>; a tokenizer without it opens no block
+            start_id = resolve_token_ids(tokenizer, ["<" + think[2:]])[0]
+        except ValueError:
+            start_id = None
     return Rules(
         vocab_size=len(tokenizer),
         stop_ids=tuple(stop),
         think_end_id=think_id,
+        think_start_id=start_id,
         max_sequence_tokens=int(dataset_cfg.get("max_sequence_tokens", 32768)),
         reject_truncated=bool(dataset_cfg.get("reject_truncated", True)),
         require_think_end=bool(dataset_cfg.get("require_think_end", False)),
@@ -108,19 +118,63 @@ def first_position(values: np.ndarray, offsets: np.ndarray, token: int) -> np.nd
 
 
 def reasoning_counts(
-    out_values: np.ndarray, out_offsets: np.ndarray, think_end_id: int | None
+    out_values: np.ndarray,
+    out_offsets: np.ndarray,
+    think_end_id: int | None,
+    unterminated_rows: np.ndarray | None = None,
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """Reasoning = output tokens up to and including the first think-end; answer = the rest.
 
     Without think_end_id both are None (null columns). An output without think-end counts as
-    all answer (reasoning 0): it is what a non-thinking turn looks like.
+    all answer (reasoning 0), what a non-thinking turn looks like, unless it is one of the
+    `unterminated_rows` (see `unterminated`): then it is all reasoning (answer 0).
     """
     if think_end_id is None:
         return None, None
     out_len = np.diff(out_offsets)
     pos = first_position(out_values, out_offsets, think_end_id)
     reasoning = np.where(pos >= 0, pos + 1, 0)
+    if unterminated_rows is not None:
+        reasoning = np.where(unterminated_rows, out_len, reasoning)
     return reasoning, out_len - reasoning
+
+
+def _last_in_prompt(values, offsets, p_len, token) -> np.ndarray:
+    """Per row, the last position of `token` inside the prompt part (-1 when absent)."""
+    out = np.full(len(offsets) - 1, -1, dtype=np.int64)
+    hit = np.flatnonzero(values == token)
+    if hit.size:
+        rows = np.searchsorted(offsets, hit, side="right") - 1
+        pos = hit - offsets[rows]
+        keep = pos < p_len[rows]
+        np.maximum.at(out, rows[keep], pos[keep])
+    return out
+
+
+def _in_output(values, offsets, p_len, token) -> np.ndarray:
+    out = np.zeros(len(offsets) - 1, dtype=bool)
+    hit = np.flatnonzero(values == token)
+    if hit.size:
+        rows = np.searchsorted(offsets, hit, side="right") - 1
+        out[rows[hit - offsets[rows] >= p_len[rows]]] = True
+    return out
+
+
+def unterminated(values, offsets, p_len, start_id: int | None, end_id: int | None) -> np.ndarray:
+    """Rows of prompt + output ids (`values`/`offsets`, the first `p_len` of each row the
+    prompt) whose output never closed a thinking block that was open: no think-end in the
+    output, and either the prompt ended inside a block (its last think-open after its last
+    think-close: Kimi-K2.5's generation prompt) or the output opened one (Qwen3)."""
+    n = len(offsets) - 1
+    if start_id is None or end_id is None:
+        return np.zeros(n, dtype=bool)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    p_len = np.asarray(p_len, dtype=np.int64)
+    open_in_prompt = _last_in_prompt(values, offsets, p_len, start_id) > _last_in_prompt(
+        values, offsets, p_len, end_id
+    )
+    opened = open_in_prompt | _in_output(values, offsets, p_len, start_id)
+    return opened & ~_in_output(values, offsets, p_len, end_id)
 
 
 def validate(
