@@ -455,15 +455,15 @@ def merge_conversation_shard(
                 "num_answer_tokens": None if reasoning is None else n_out - reasoning,
                 "num_total_tokens": n, "finish_type": fin}  # fmt: skip
 
-    def reasoning_of(prompt, out):
-        """One turn's reasoning tokens (validate.reasoning_counts), None without think-end."""
-        ids, off = np.concatenate([prompt, out]), np.array([0, len(prompt) + len(out)])
-        still_open = validate.unterminated(
-            ids, off, [len(prompt)], rules.think_start_id, rules.think_end_id
-        )
-        r, _ = validate.reasoning_counts(out, np.array([0, len(out)]), rules.think_end_id,
-                                         still_open)  # fmt: skip
-        return None if r is None else int(r[0])
+    # Every turn's reasoning tokens in one batch, as for a plain shard (None without think-end).
+    all_off, all_ids, _ = concat_lists(p_off, p_val, o_off, o_val)
+    still_open = validate.unterminated(
+        all_ids, all_off, np.diff(p_off), rules.think_start_id, rules.think_end_id
+    )
+    turn_reasoning, _ = validate.reasoning_counts(o_val, o_off, rules.think_end_id, still_open)
+
+    def reasoning_of(i):
+        return None if turn_reasoning is None else int(turn_reasoning[i])
 
     kept_convs = exact_kept = 0
     for pid in sorted(by_conv):
@@ -498,7 +498,7 @@ def merge_conversation_shard(
                 mask[len(p) : len(p) + len(o)] = 1
                 n_out += len(o)
                 if n_reason is not None:
-                    n_reason += reasoning_of(p, o)
+                    n_reason += reasoning_of(i)
             rows.append(row(pid, keys_[good[-1]], ids, mask, n_out, finish[good[-1]], n_reason))
             exact_kept += 1
         else:
@@ -506,7 +506,7 @@ def merge_conversation_shard(
                 p, o = turn(i)
                 mask = np.concatenate([np.zeros(len(p), np.int8), np.ones(len(o), np.int8)])
                 rows.append(row(pid, keys_[i], np.concatenate([p, o]), mask, len(o), finish[i],
-                                reasoning_of(p, o)))  # fmt: skip
+                                reasoning_of(i)))  # fmt: skip
     for pid in sorted(known - set(by_conv) - gen_rej):
         rej.append({"stage": "merge", "category": category, "reason": "not_generated",
                     "detail": validate.describe("not_generated"),
