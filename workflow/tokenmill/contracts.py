@@ -116,6 +116,7 @@ TOKENIZED_CONVERSATIONS = pa.schema(
     ]
 )
 META_CONTEXT = "tokenmill.context"
+CONTEXT_REGENERATED = "regenerated"  # the value of META_CONTEXT for conversation categories
 META_PREFIX_EXACT = "tokenmill.prefix_exact_template"
 META_THINK_END_ID = "tokenmill.think_end_id"
 
@@ -225,6 +226,11 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
     the writer opened plus those it added at close (ParquetWriter.add_metadata)."""
     meta = pq.read_metadata(path).metadata or {}
     return {k.decode(): v.decode() for k, v in meta.items() if k.startswith(b"tokenmill.")}
+
+
+def is_regenerated(path: str | os.PathLike) -> bool:
+    """Whether a file belongs to a `context: regenerated` (multi-turn) category."""
+    return read_metadata(path).get(META_CONTEXT) == CONTEXT_REGENERATED
 
 
 def atomic_path(path: str | os.PathLike):
