@@ -346,7 +346,11 @@ def test_unknown_is_null_never_a_made_up_number(tmp_path):
     # a job's GPUs are per node x nodes, and the overall GPU-hours add the categories up.
     config["generation"] = dict(GEN_CFG, mode="managed", resources={"gpus": 4},
                                 launch={"nnodes": 2})  # fmt: skip
-    config["categories"] = {"chat": {}, "code": {"resources": {"gpus": 1}}}
+    cats = CONFIG["categories"]
+    config["categories"] = {
+        "chat": cats["chat"],
+        "code": {**cats["code"], "resources": {"gpus": 1}},
+    }
     s = _stats(r, config, tmp_path)
     chat, code = (s["categories"][c]["generation"] for c in ("chat", "code"))
     assert (chat["gpus"], code["gpus"]) == (8, 2)
@@ -428,7 +432,7 @@ def test_think_rule_is_one_for_merge_and_stats(tmp_path):
     tokenizer = load_tokenizer(tok_cfg)
     ds = {"think_end_token": "</think>"}
     merge_rules = validate.rules_from_config(ds, GEN_CFG, tokenizer)
-    stats_ids = stats.ThinkTokens({"tokenizer": tok_cfg, "dataset": ds}).get()
+    stats_ids = stats.ThinkTokens(ds, tok_cfg).get()
     assert stats_ids == (merge_rules.think_start_id, merge_rules.think_end_id) == (None, 3)
     ids = np.array([4, 5, 3, 4], np.int32)  # prompt w0 w1, output </think> w0: nothing open
     assert not validate.unterminated(ids, np.array([0, 4]), np.array([2]), *stats_ids).any()
@@ -437,4 +441,4 @@ def test_think_rule_is_one_for_merge_and_stats(tmp_path):
     with pytest.raises(ValueError, match="<think>"):
         validate.rules_from_config(ds, GEN_CFG, tokenizer)
     with pytest.raises(ValueError, match="<think>"):
-        stats.ThinkTokens({"tokenizer": tok_cfg, "dataset": ds}).get()
+        stats.ThinkTokens(ds, tok_cfg).get()

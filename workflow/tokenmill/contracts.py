@@ -66,6 +66,7 @@ META_TURNS_KEPT = "tokenmill.turns_kept"
 META_TURNS_REJECTED = "tokenmill.turns_rejected"
 META_CONVERSATION_SAMPLES = "tokenmill.conversation_samples"
 META_TURN_SAMPLES = "tokenmill.turn_samples"
+TURN_COUNT_KEYS = (META_TURNS_IN, META_TURNS_KEPT, META_TURNS_REJECTED)
 
 # token counts and the draft vocabulary (dataset/draft_vocab.py)
 META_VOCAB_SIZE = "tokenmill.vocab_size"

@@ -64,13 +64,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokenmill import contracts
-from tokenmill.cli import json_arg
 from tokenmill.contracts import (  # the shard metadata keys (generate/stage.py reads them here)
     META_MAX_PROMPT_TOKENS,
     META_NUM_SHARDS,
     META_STOP_TOKEN_IDS,
     META_STOP_TOKENS,
 )
+from tokenmill.settings import TokenizerSettings, as_section, load_section, thaw
 from tokenmill.tokenization import shards
 
 STAGE = "tokenize"
@@ -245,13 +245,14 @@ class Encoder:
 _WORKER_ENCODER: Encoder | None = None
 
 
-def _init_worker(tok_cfg: dict, basedir: str) -> None:
+def _init_worker(tok_raw: dict, basedir: str) -> None:
     global _WORKER_ENCODER
     # The parent's cores are shared between workers: no nested Rust thread pools.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenmill.tokenization.tokenizer import load_tokenizer
 
-    _WORKER_ENCODER = Encoder(load_tokenizer(tok_cfg, basedir), tok_cfg.get("chat_template_kwargs"))
+    tok = as_section(tok_raw, "tokenizer")
+    _WORKER_ENCODER = Encoder(load_tokenizer(tok, basedir), thaw(tok.chat_template_kwargs))
 
 
 def _worker_encode(rows):
@@ -450,7 +451,7 @@ class Rows:
         contracts.check_conservation(f"tokenize {s.category}", s.records_in, s.kept, s.rejected)
 
 
-def _chunk_results(batches, encoder: Encoder | None, workers: int, tok_cfg: dict, basedir):
+def _chunk_results(batches, encoder: Encoder | None, workers: int, tok, basedir):
     """(batch, ChunkResult) in input order; with workers > 1 a bounded number in flight."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -465,7 +466,7 @@ def _chunk_results(batches, encoder: Encoder | None, workers: int, tok_cfg: dict
             max_workers=workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_init_worker,
-            initargs=(tok_cfg, str(basedir)),
+            initargs=(tok.raw, str(basedir)),  # a plain dict: settings do not pickle
         )
         submit, in_flight = _worker_encode, 2 * workers
     with pool:
@@ -490,7 +491,7 @@ def tokenize_category(
     prompts: str | os.PathLike,
     category: str,
     num_shards: int,
-    tok_cfg: dict,
+    tok_cfg: TokenizerSettings | dict,
     max_prompt_tokens: int,
     out_dir: str | os.PathLike,
     rejected_path: str | os.PathLike,
@@ -512,21 +513,22 @@ def tokenize_category(
         tokenizer_fingerprint,
     )
 
+    tok = as_section(tok_cfg, "tokenizer")
     if num_shards < 1:
         raise TokenizeError(f"--shards must be >= 1, got {num_shards}")
     if max_prompt_tokens < 1:
         raise TokenizeError(f"--max-prompt-tokens must be >= 1, got {max_prompt_tokens}")
     start = time.monotonic()
     if tokenizer is None:
-        tokenizer = load_tokenizer(tok_cfg, basedir)
-    fingerprint, _ = tokenizer_fingerprint(tok_cfg, basedir, tokenizer)
+        tokenizer = load_tokenizer(tok, basedir)
+    fingerprint, _ = tokenizer_fingerprint(tok, basedir, tokenizer)
     vocab, vocab_source = model_vocab
     if vocab is not None and len(tokenizer) > vocab:
         raise TokenizeError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab} "
             f"({vocab_source}): tokenizer.path and generation.model do not belong together"
         )
-    encoder = Encoder(tokenizer, tok_cfg.get("chat_template_kwargs"))
+    encoder = Encoder(tokenizer, thaw(tok.chat_template_kwargs))
     summary = Summary(category, fingerprint)
 
     out_dir = Path(out_dir)
@@ -552,7 +554,7 @@ def tokenize_category(
         shutil.rmtree(spill_dir, ignore_errors=True)
         common_meta[contracts.META_CONTEXT] = contracts.CONTEXT_REGENERATED
         return _tokenize_conversations(
-            pf, tokenizer, tok_cfg, common_meta, summary, num_shards, max_prompt_tokens,
+            pf, tokenizer, tok, common_meta, summary, num_shards, max_prompt_tokens,
             out_dir, rejected_path, think_end_token, start,
         )  # fmt: skip
     try:
@@ -565,7 +567,7 @@ def tokenize_category(
             batches = pf.iter_batches(
                 batch_size=chunk_rows, columns=["prompt_id", "source", "messages", "tools"]
             )
-            results = _chunk_results(batches, encoder, workers, tok_cfg, basedir)
+            results = _chunk_results(batches, encoder, workers, tok, basedir)
             last_report = time.monotonic()
             # closing: an error here shuts the encoding pool down at once, not at GC time.
             with contextlib.closing(results):
@@ -667,7 +669,7 @@ def _route(batch, result, rows: Rows, spills: list[ShardSpill]) -> None:
 
 
 def _tokenize_conversations(
-    pf, tokenizer, tok_cfg, common_meta, summary, num_shards, max_prompt_tokens, out_dir,
+    pf, tokenizer, tok, common_meta, summary, num_shards, max_prompt_tokens, out_dir,
     rejected_path, think_end_token, start,
 ) -> Summary:  # fmt: skip
     """One TOKENIZED_CONVERSATIONS row per conversation, in the shard of its prompt_id: the
@@ -680,7 +682,7 @@ def _tokenize_conversations(
     from tokenmill.tokenization import conversations as conv
     from tokenmill.tokenization.tokenizer import resolve_token_ids
 
-    kwargs = dict(tok_cfg.get("chat_template_kwargs") or {})
+    kwargs = thaw(tok.chat_template_kwargs)
     if common_meta.get(META_STOP_TOKEN_IDS):
         stop_ids = json.loads(common_meta[META_STOP_TOKEN_IDS])
     elif tokenizer.eos_token_id is not None:
@@ -751,13 +753,6 @@ def _tokenize_conversations(
 # Command line
 
 
-def _json_arg(value: str) -> dict:
-    try:
-        return json_arg(value, "--tokenizer-config")
-    except ValueError as exc:
-        raise TokenizeError(str(exc)) from None
-
-
 def _stop_tokens_arg(value: str | None) -> list | None:
     if value is None:
         return None
@@ -826,9 +821,9 @@ def main(argv: list[str]) -> int:
         os.environ.setdefault("RAYON_NUM_THREADS", str(cores))
         from tokenmill.tokenization.tokenizer import load_tokenizer
 
-        tok_cfg = _json_arg(args.tokenizer_config)
+        tok = load_section(args.tokenizer_config, "tokenizer")  # ConfigError names the key
         stop_tokens = _stop_tokens_arg(args.stop_tokens)
-        tokenizer = load_tokenizer(tok_cfg, args.basedir)
+        tokenizer = load_tokenizer(tok, args.basedir)
         model_vocab: tuple[int | None, str] = (None, "")
         if args.model:
             from tokenmill.model import model_vocab_size
@@ -841,7 +836,7 @@ def main(argv: list[str]) -> int:
             args.prompts,
             args.category,
             args.shards,
-            tok_cfg,
+            tok,
             args.max_prompt_tokens,
             args.out_dir,
             args.rejected,
