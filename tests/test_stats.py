@@ -442,3 +442,13 @@ def test_think_rule_is_one_for_merge_and_stats(tmp_path):
         validate.rules_from_config(ds, GEN_CFG, tokenizer)
     with pytest.raises(ValueError, match="<think>"):
         stats.ThinkTokens(ds, tok_cfg).get()
+
+
+def test_stats_and_card_name_the_key_of_a_partial_config(tmp_path, capsys):
+    """A stage command given a partial config by hand fails naming the missing key."""
+    partial = json.dumps({"tokenizer": {"path": "tok"}, "categories": {"chat": {"shards": 1}}})
+    argv = ["--results-dir", str(tmp_path), "--config-json", partial]
+    assert stats.main([*argv, "--out-dir", str(tmp_path / "stats")]) == 1
+    assert "categories.chat" in capsys.readouterr().err
+    assert card.main([*argv, "--out", str(tmp_path / "README.md")]) == 1
+    assert "categories.chat" in capsys.readouterr().err

@@ -587,26 +587,21 @@ def model_vocab_size(model_name: str, revision: str | None = None, basedir=".") 
 
 def _from_config_main(argv: list[str]) -> int:
     """The `draft_vocab` rule: every setting from the pipeline's config sections."""
-    from tokenmill.settings import ConfigError, load_section, thaw
+    from tokenmill.dataset import validate
+    from tokenmill.settings import thaw
 
     parser = argparse.ArgumentParser(
         prog="tokenmill draft-vocab from-config",
         description="build the draft vocabulary as the config's dataset.draft_vocab_* keys say",
     )
     parser.add_argument("--counts", nargs="+", required=True, help="counts files or folders")
-    parser.add_argument("--dataset-config", required=True, help="JSON object or JSON file")
-    parser.add_argument("--generation-config", required=True, help="JSON object or JSON file")
-    parser.add_argument("--tokenizer-config", required=True, help="JSON object or JSON file")
-    parser.add_argument("--basedir", default=".")
+    validate.add_config_arguments(parser)
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args(argv)
-    try:
-        ds = load_section(args.dataset_config, "dataset")
-        gen = load_section(args.generation_config, "generation")
-        tok = load_section(args.tokenizer_config, "tokenizer")
-    except ConfigError as exc:
-        print(f"tokenmill draft-vocab: {exc}", file=sys.stderr)
+    sections = validate.load_config_arguments(args, "tokenmill draft-vocab")
+    if sections is None:
         return 1
+    ds, gen, tok = sections
 
     def fail(key, message) -> int:
         print(f"tokenmill draft-vocab: config key 'dataset.{key}': {message}", file=sys.stderr)
@@ -620,7 +615,6 @@ def _from_config_main(argv: list[str]) -> int:
         print("tokenmill draft-vocab: no counts files found", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from tokenmill.dataset import validate
     from tokenmill.tokenization.tokenizer import load_tokenizer
 
     # The configured stop tokens as the tokenizer resolves them, plus its eos: merge's stop ids.

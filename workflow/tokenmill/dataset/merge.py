@@ -55,7 +55,6 @@ import pyarrow.parquet as pq
 from tokenmill import contracts, keys
 from tokenmill.dataset import draft_vocab, validate
 from tokenmill.dataset.validate import REASONS, Rules
-from tokenmill.settings import ConfigError, load_section
 
 BATCH_ROWS = contracts.ROW_GROUP_SIZE
 
@@ -606,21 +605,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--counts-out", help="results/token_counts/{c}/{s}.parquet: loss-token counts of the shard"
     )
-    parser.add_argument("--dataset-config", required=True, help="JSON object or JSON file")
-    parser.add_argument("--generation-config", required=True, help="JSON object or JSON file")
-    parser.add_argument("--tokenizer-config", required=True, help="JSON object or JSON file")
-    parser.add_argument("--basedir", default=".")
+    validate.add_config_arguments(parser)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from tokenmill.tokenization.tokenizer import load_tokenizer
 
-    try:
-        ds = load_section(args.dataset_config, "dataset")
-        gen = load_section(args.generation_config, "generation")
-        tok = load_section(args.tokenizer_config, "tokenizer")
-    except ConfigError as exc:
-        print(f"tokenmill merge: {exc}", file=sys.stderr)
+    sections = validate.load_config_arguments(args, "tokenmill merge")
+    if sections is None:
         return 1
+    ds, gen, tok = sections
     rules = validate.rules_from_config(ds, gen, load_tokenizer(tok, args.basedir))
     try:
         res = merge_shard(

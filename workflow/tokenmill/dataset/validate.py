@@ -23,11 +23,12 @@ one stable reason code:
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from tokenmill.settings import as_section
+from tokenmill.settings import ConfigError, as_section, load_section
 
 REASONS = (
     "duplicate_prompt_id",
@@ -271,3 +272,28 @@ def describe(reason: str, **ctx) -> str:
         return texts[reason].format(**ctx)
     except (KeyError, IndexError):
         return reason
+
+
+# --------------------------------------------------------------------------------------------
+# The config arguments of the commands that validate (merge, draft-vocab from-config)
+
+
+def add_config_arguments(parser) -> None:
+    """--dataset-config, --generation-config, --tokenizer-config (inline JSON or a file, the
+    section or the whole config) and --basedir (a local tokenizer path is relative to it)."""
+    for section in ("dataset", "generation", "tokenizer"):
+        parser.add_argument(f"--{section}-config", required=True, help="JSON object or JSON file")
+    parser.add_argument("--basedir", default=".")
+
+
+def load_config_arguments(args, prog: str):
+    """(dataset, generation, tokenizer) settings of add_config_arguments' arguments, or None
+    after printing the ConfigError (it names the key) to stderr."""
+    try:
+        return tuple(
+            load_section(getattr(args, f"{section}_config"), section)
+            for section in ("dataset", "generation", "tokenizer")
+        )
+    except ConfigError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None

@@ -222,18 +222,12 @@ class Encoder:
         return out["input_ids"]
 
     def _encode_generic(self, parsed, errors):
+        from tokenmill.tokenization.conversations import render
+
         out = []
         for i, messages, tools in parsed:
             try:
-                ids = self.tokenizer.apply_chat_template(
-                    messages,
-                    tools=tools,
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=False,
-                    **self.kwargs,
-                )
-                ids = [int(x) for x in ids]
+                ids = render(self.tokenizer, messages, tools, True, self.kwargs)
             except Exception as exc:  # noqa: BLE001 - any template failure rejects one prompt
                 errors[i] = (TEMPLATE_ERROR, _detail(exc))
                 continue
