@@ -83,8 +83,13 @@ def _describe(error: jsonschema.ValidationError, prefix: tuple = ()) -> str:
     return f"config key '{key}': {error.message}{hint}"
 
 
+@functools.lru_cache(maxsize=1)
+def _validator_class():
+    return _with_defaults(jsonschema.Draft202012Validator)
+
+
 def _validate(instance, schema: dict, prefix: tuple = ()):
-    validator = _with_defaults(jsonschema.Draft202012Validator)(schema)
+    validator = _validator_class()(schema)
     errors = sorted(validator.iter_errors(instance), key=lambda e: list(e.absolute_path))
     if errors:
         raise ConfigError(
