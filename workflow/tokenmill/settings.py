@@ -154,7 +154,7 @@ def load_section(value: str | Mapping, section: str | None):
             text = value if value.lstrip().startswith("{") else Path(value).read_text("utf-8")
             yaml_file = str(value).endswith((".yaml", ".yml"))
             obj = yaml.safe_load(text) if yaml_file else json.loads(text)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, yaml.YAMLError) as exc:
             raise ConfigError(f"config {section or ''} {value!r}: {exc}") from exc
         if not isinstance(obj, dict):
             raise ConfigError(f"config {section or ''} {value!r}: not a JSON object")
