@@ -193,3 +193,29 @@ def test_demo_generation_fingerprint_is_unchanged():
     assert keys.generation_fingerprint(s.generation) == DEMO_FINGERPRINT
     assert s.generation.fingerprint == DEMO_FINGERPRINT
     assert keys.generation_fingerprint(s.generation.raw) == DEMO_FINGERPRINT
+
+
+def test_stage_commands_fail_naming_the_key(tmp_path, capsys):
+    from tokenmill.prepare import stage as prep
+    from tokenmill.provenance import manifest
+
+    out, rej = str(tmp_path / "p.parquet"), str(tmp_path / "r.parquet")
+    bad = '{"sources": ["a.jsonl"], "format": "messages", "shards": "two"}'
+    argv = ["--category", "c", "--category-config", bad, "--out", out, "--rejected", rej]
+    assert prep.main(argv) == 1
+    assert "config key 'categories.c.shards': 'two' is not of type" in capsys.readouterr().err
+    partial = json.dumps({"tokenizer": {"path": "tok"}, "categories": {}})
+    argv = ["--config-json", partial, "--out", str(tmp_path / "prov.json")]
+    assert manifest.main(argv) == 1
+    assert "config key 'categories'" in capsys.readouterr().err
+
+
+def test_settings_imports_no_stage():
+    import ast
+
+    tree = ast.parse(Path(settings.__file__).read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+    stages = ("prepare", "tokenization", "generate", "dataset", "provenance")
+    assert not [m for m in names if m.startswith(tuple(f"tokenmill.{s}" for s in stages))]
+    assert not [m for m in names if m in ("tokenmill.config", "tokenmill.cli")]

@@ -14,6 +14,7 @@ import numpy as np
 
 from tokenmill import contracts
 from tokenmill.contracts import canonical_json
+from tokenmill.settings import GenerationSettings, load_section
 
 # Launch flags that cannot change what the engine generates (where and how it listens, logs,
 # watchdogs). They are left out of the fingerprint; every other flag counts.
@@ -45,8 +46,6 @@ def _relevant_launch_args(command: list[str]) -> list[str]:
 def generation_fingerprint(gen) -> str:
     """The hash of everything in the generation settings that shapes a token. `gen` is a
     GenerationSettings, or a generation section as a dict (validated here, defaults filled)."""
-    from tokenmill.settings import GenerationSettings, load_section
-
     if not isinstance(gen, GenerationSettings):
         gen = load_section(gen, "generation")
     raw = gen.raw  # the validated JSON values: the material hashes as it always has

@@ -83,8 +83,13 @@ def _describe(error: jsonschema.ValidationError, prefix: tuple = ()) -> str:
     return f"config key '{key}': {error.message}{hint}"
 
 
+@functools.lru_cache(maxsize=1)
+def _validator_class():
+    return _with_defaults(jsonschema.Draft202012Validator)
+
+
 def _validate(instance, schema: dict, prefix: tuple = ()):
-    validator = _with_defaults(jsonschema.Draft202012Validator)(schema)
+    validator = _validator_class()(schema)
     errors = sorted(validator.iter_errors(instance), key=lambda e: list(e.absolute_path))
     if errors:
         raise ConfigError(
@@ -149,7 +154,7 @@ def load_section(value: str | Mapping, section: str | None):
             text = value if value.lstrip().startswith("{") else Path(value).read_text("utf-8")
             yaml_file = str(value).endswith((".yaml", ".yml"))
             obj = yaml.safe_load(text) if yaml_file else json.loads(text)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, yaml.YAMLError) as exc:
             raise ConfigError(f"config {section or ''} {value!r}: {exc}") from exc
         if not isinstance(obj, dict):
             raise ConfigError(f"config {section or ''} {value!r}: not a JSON object")
