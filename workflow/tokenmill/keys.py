@@ -12,7 +12,9 @@ import hashlib
 
 import numpy as np
 
+from tokenmill import contracts
 from tokenmill.contracts import canonical_json
+from tokenmill.settings import GenerationSettings, load_section
 
 # Launch flags that cannot change what the engine generates (where and how it listens, logs,
 # watchdogs). They are left out of the fingerprint; every other flag counts.
@@ -41,25 +43,46 @@ def _relevant_launch_args(command: list[str]) -> list[str]:
     return out
 
 
-def generation_fingerprint(gen: dict) -> str:
-    launch = gen.get("launch") or {}
+def generation_fingerprint(gen) -> str:
+    """The hash of everything in the generation settings that shapes a token. `gen` is a
+    GenerationSettings, or a generation section as a dict (validated here, defaults filled)."""
+    if not isinstance(gen, GenerationSettings):
+        gen = load_section(gen, "generation")
+    raw = gen.raw  # the validated JSON values: the material hashes as it always has
     material = {
-        "engine": gen.get("engine", "sglang"),
-        "model": gen.get("model"),
-        "revision": gen.get("revision"),
-        "sampling": gen.get("sampling", {}),
-        "stop_tokens": gen.get("stop_tokens", []),
-        "seed_policy": gen.get("seed_policy", "none"),
-        "launch": _relevant_launch_args(launch.get("command", []))
-        if gen.get("mode", "managed") == "managed"
-        else None,
+        "engine": gen.engine,
+        "model": gen.model,
+        "revision": gen.revision,
+        "sampling": raw["sampling"],
+        "stop_tokens": raw["stop_tokens"],
+        "seed_policy": gen.seed_policy,
+        "launch": _relevant_launch_args(list(gen.launch.command or [])) if gen.managed else None,
     }
     return hashlib.sha256(canonical_json(material).encode()).hexdigest()
 
 
 def sample_key(fingerprint: str, prompt_ids) -> str:
+    """The key of one sample: sha256(fingerprint ":" prompt ids as little-endian int32)[:32]."""
     data = np.asarray(prompt_ids, dtype="<i4").tobytes()
     return hashlib.sha256(fingerprint.encode() + b":" + data).hexdigest()[:32]
+
+
+def sample_keys(fingerprint: str, prompts) -> list[str]:
+    """sample_key of every row of `prompts`: a list<int32> column (Array or ChunkedArray), or
+    its (values, offsets) as contracts.list_arrays gives them. Hashes slices of one buffer."""
+    if isinstance(prompts, tuple):
+        values, offsets = prompts
+    else:
+        values, offsets = contracts.list_arrays(prompts)
+    buf = memoryview(np.ascontiguousarray(values, dtype="<i4").tobytes())
+    base = hashlib.sha256(fingerprint.encode() + b":")
+    bounds = (np.asarray(offsets, dtype=np.int64) * 4).tolist()  # Python ints: fast slicing
+    out = []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        h = base.copy()
+        h.update(buf[start:end])
+        out.append(h.hexdigest()[:32])
+    return out
 
 
 def sampling_seed(key: str) -> int:

@@ -23,9 +23,12 @@ one stable reason code:
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from tokenmill.settings import ConfigError, as_section, load_section
 
 REASONS = (
     "duplicate_prompt_id",
@@ -60,31 +63,58 @@ class Rules:
         object.__setattr__(self, "stop_array", np.asarray(sorted(set(self.stop_ids)), np.int64))
 
 
-def rules_from_config(dataset_cfg: dict, generation_cfg: dict, tokenizer) -> Rules:
-    """Rules for the `dataset:` section, the generation stop tokens and the loaded tokenizer."""
+def think_start_token(think_end_token: str | None, configured: str | None = None) -> str | None:
+    """The think-open token: dataset.think_start_token, by default think_end_token without "/"
+    (<think> for </think>); None without a think-end token."""
+    if think_end_token is None:
+        return None
+    if configured:
+        return configured
+    return "<" + think_end_token[2:] if think_end_token.startswith("</") else None
+
+
+def think_ids(tokenizer, think_end_token, configured_start: str | None = None):
+    """(think-open id, think-close id): the one think-token rule, used by merge (Rules) and
+    stats alike. Both None without a think-end token. A think-end or an explicitly configured
+    think-start that is not one token of the tokenizer is an error (ValueError naming it); the
+    default think-start (derived from think-end) missing from the tokenizer is None: such a
+    tokenizer opens no thinking block, so no output counts as unterminated reasoning."""
     from tokenmill.tokenization.tokenizer import resolve_token_ids
 
-    stop = resolve_token_ids(tokenizer, generation_cfg.get("stop_tokens") or [])
+    if think_end_token is None:
+        return None, None
+    end_id = resolve_token_ids(tokenizer, [think_end_token])[0]
+    start = think_start_token(think_end_token, configured_start)
+    if start is None:
+        return None, end_id
+    try:
+        start_id = resolve_token_ids(tokenizer, [start])[0]
+    except ValueError:
+        if configured_start:
+            raise
+        start_id = None  # the default <think> for </think>: this tokenizer opens no block
+    return start_id, end_id
+
+
+def rules_from_config(dataset, generation, tokenizer) -> Rules:
+    """Rules for the `dataset:` settings, the generation stop tokens and the loaded tokenizer
+    (`dataset`, `generation`: settings objects, or the sections as dicts, validated here)."""
+    from tokenmill.tokenization.tokenizer import resolve_token_ids
+
+    ds = as_section(dataset, "dataset")
+    gen = as_section(generation, "generation")
+    stop = resolve_token_ids(tokenizer, list(gen.stop_tokens))
     if tokenizer.eos_token_id is not None:
         stop.append(int(tokenizer.eos_token_id))
-    think = dataset_cfg.get("think_end_token")
-    think_id = resolve_token_ids(tokenizer, [think])[0] if think is not None else None
-    start_id = None
-    if think is not None and dataset_cfg.get("think_start_token"):
-        start_id = resolve_token_ids(tokenizer, [dataset_cfg["think_start_token"]])[0]
-    elif think is not None and think.startswith("</"):
-        try:  # the default <think> for </think>; a tokenizer without it opens no block
-            start_id = resolve_token_ids(tokenizer, ["<" + think[2:]])[0]
-        except ValueError:
-            start_id = None
+    start_id, think_id = think_ids(tokenizer, ds.think_end_token, ds.think_start_token)
     return Rules(
         vocab_size=len(tokenizer),
         stop_ids=tuple(stop),
         think_end_id=think_id,
         think_start_id=start_id,
-        max_sequence_tokens=int(dataset_cfg.get("max_sequence_tokens", 32768)),
-        reject_truncated=bool(dataset_cfg.get("reject_truncated", True)),
-        require_think_end=bool(dataset_cfg.get("require_think_end", False)),
+        max_sequence_tokens=ds.max_sequence_tokens,
+        reject_truncated=ds.reject_truncated,
+        require_think_end=ds.require_think_end,
     )
 
 
@@ -242,3 +272,28 @@ def describe(reason: str, **ctx) -> str:
         return texts[reason].format(**ctx)
     except (KeyError, IndexError):
         return reason
+
+
+# --------------------------------------------------------------------------------------------
+# The config arguments of the commands that validate (merge, draft-vocab from-config)
+
+
+def add_config_arguments(parser) -> None:
+    """--dataset-config, --generation-config, --tokenizer-config (inline JSON or a file, the
+    section or the whole config) and --basedir (a local tokenizer path is relative to it)."""
+    for section in ("dataset", "generation", "tokenizer"):
+        parser.add_argument(f"--{section}-config", required=True, help="JSON object or JSON file")
+    parser.add_argument("--basedir", default=".")
+
+
+def load_config_arguments(args, prog: str):
+    """(dataset, generation, tokenizer) settings of add_config_arguments' arguments, or None
+    after printing the ConfigError (it names the key) to stderr."""
+    try:
+        return tuple(
+            load_section(getattr(args, f"{section}_config"), section)
+            for section in ("dataset", "generation", "tokenizer")
+        )
+    except ConfigError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
-import hashlib
 import json
 import logging
 import os
@@ -45,7 +44,15 @@ import aiohttp
 
 from tokenmill.generate import engines
 from tokenmill.generate.engines import EngineAPI
+from tokenmill.model import (
+    hub_cache_dir,
+    hub_id_of,
+    local_dir,
+    model_vocab_size,  # noqa: F401 - generate/stage.py imports it here
+    weights_fingerprint,
+)
 from tokenmill.redaction import redact, redact_argv
+from tokenmill.settings import GenerationSettings, as_section
 
 DIST_PORT_OFFSET = 1000  # first candidate of the dist_init_addr port: HTTP port + this
 # SGLang's rendezvous uses the --dist-init-addr port and the next ones on the head (torch
@@ -68,8 +75,6 @@ SLURM_KEEP = frozenset(
         "SLURM_CONF",
     }
 )
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-SAMPLE_BYTES = 1 << 16  # read at the middle and the end of each weight file
 
 log = logging.getLogger(__name__)
 
@@ -250,74 +255,6 @@ async def fetch_info(
     return server_info, model_info
 
 
-def _local_dir(name: str | None, basedir: str | Path = ".") -> Path | None:
-    if not name:
-        return None
-    path = Path(basedir) / name  # an absolute name stays absolute
-    return path if path.is_dir() else None
-
-
-def _hub_cache_dir(hub_id: str, revision: str | None) -> Path | None:
-    """The local Hugging Face cache snapshot of a hub model (no download), if any."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    found = try_to_load_from_cache(hub_id, "config.json", revision=revision)
-    return Path(found).parent if isinstance(found, str) else None
-
-
-def hub_id_of(name: str) -> str | None:
-    """`org/name` of a hub id, or of a path inside the Hugging Face cache
-    (.../models--org--name/snapshots/<commit>); None for other paths."""
-    for part in Path(name).parts:
-        if part.startswith("models--"):
-            return "/".join(part[len("models--") :].split("--", 1))
-    if name.count("/") == 1 and not name.startswith((".", "/")) and not Path(name).exists():
-        return name
-    return None
-
-
-def weights_fingerprint(path: Path) -> str | None:
-    """config.json plus, for every weight file, its name, size and 64 KiB read at its middle
-    and its end: two copies of one checkpoint agree, fine-tunes of one base do not (their
-    configs and sizes do). Reads a few MiB even for a terabyte checkpoint. None without a
-    config.json."""
-    try:
-        h = hashlib.sha256((path / "config.json").read_bytes())
-        for f in sorted(p for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
-            size = f.stat().st_size
-            h.update(f"\0{f.name}\0{size}\0".encode())
-            with open(f, "rb") as fh:
-                for offset in (size // 2, max(size - SAMPLE_BYTES, 0)):
-                    fh.seek(offset)
-                    h.update(fh.read(SAMPLE_BYTES))
-    except OSError:
-        return None
-    return h.hexdigest()
-
-
-def model_vocab_size(model: str | None, basedir: str | Path = ".", revision: str | None = None):
-    """(vocab_size, where it was read) from the model's config.json when it is on this machine
-    (a local directory, or a hub id in the local Hugging Face cache); (None, why) otherwise."""
-    if not model:
-        return None, "no generation.model"
-    local = _local_dir(model, basedir)
-    hub = hub_id_of(model) if local is None else None
-    where = local or (_hub_cache_dir(hub, revision) if hub else None)
-    if where is None:
-        return None, f"{model!r} is not a local directory nor in the Hugging Face cache"
-    try:
-        cfg = json.loads((where / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        return None, f"cannot read {where / 'config.json'}: {exc}"
-    # Multimodal configs keep the language model's vocabulary in text_config.
-    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
-    if not isinstance(vocab, int):
-        return None, f"{where / 'config.json'} has no vocab_size"
-    return vocab, str(where / "config.json")
-
-
 def served_names(model_info: dict, server_info: dict | None = None) -> list[str]:
     """What the server says it serves: its model path and served name (/model_info, and
     /server_info's arguments: 0.5.16 has no served_model_name in /model_info)."""
@@ -331,7 +268,10 @@ def served_names(model_info: dict, server_info: dict | None = None) -> list[str]
 
 
 def check_model(
-    model_info: dict, server_info: dict | None, gen: dict, basedir: str | Path = "."
+    model_info: dict,
+    server_info: dict | None,
+    gen: GenerationSettings | dict,
+    basedir: str | Path = ".",
 ) -> str:
     """How the served model was matched to generation.model; EngineError naming both sides
     when it is not the same model.
@@ -343,29 +283,30 @@ def check_model(
     Face cache path), or a local path's last component equal to the hub id's name
     (/models/Kimi-K2.5 serves moonshotai/Kimi-K2.5).
     """
-    want = gen["model"]
+    gen = as_section(gen, "generation")
+    want = gen.model
     names = served_names(model_info, server_info)
     sides = f"the server reports {names or 'no model path'}, generation.model is {want!r}"
-    revision, served_rev = gen.get("revision"), (server_info or {}).get("revision")
+    revision, served_rev = gen.revision, (server_info or {}).get("revision")
     if revision and served_rev and revision != served_rev:
         raise EngineError(
             f"engine serves revision {served_rev!r}, but generation.revision is {revision!r}"
         )
-    stated = gen.get("server_model")
+    stated = gen.server_model
     if stated:
         if stated in names:
             return f"generation.server_model {stated!r} is what the server reports"
         raise EngineError(f"{sides}, and generation.server_model is {stated!r}: they differ")
     if want in names:
         return f"the server reports {want!r}"
-    local = _local_dir(want, basedir)
+    local = local_dir(want, basedir)
     want_hub = hub_id_of(str(local.resolve())) if local else hub_id_of(want)
     if local is None and want_hub:
-        local = _hub_cache_dir(want_hub, revision)
+        local = hub_cache_dir(want_hub, revision)
     refused = []
     for name in names:
         hub = hub_id_of(name)
-        theirs = _local_dir(name, basedir) or (_hub_cache_dir(hub, served_rev) if hub else None)
+        theirs = local_dir(name, basedir) or (hub_cache_dir(hub, served_rev) if hub else None)
         if local is not None and theirs is not None:
             if os.path.realpath(local) == os.path.realpath(theirs):
                 return f"{name!r} is the directory of generation.model"
@@ -400,10 +341,12 @@ def model_matches(model_info: dict, model: str, basedir: str | Path = ".") -> bo
     return True
 
 
-def check_server(api: EngineAPI, gen: dict, server_info: dict, url: str) -> dict:
+def check_server(
+    api: EngineAPI, gen: GenerationSettings | dict, server_info: dict, url: str
+) -> dict:
     """EngineAPI.check_server as an EngineError naming the server."""
     try:
-        return api.check_server(gen, server_info or {}, url)
+        return api.check_server(as_section(gen, "generation"), server_info or {}, url)
     except ValueError as exc:
         raise EngineError(str(exc)) from None
 
@@ -414,15 +357,15 @@ def check_server(api: EngineAPI, gen: dict, server_info: dict, url: str) -> dict
 class ManagedEngine:
     def __init__(
         self,
-        gen: dict,
+        gen: GenerationSettings | dict,
         log_dir,
         basedir=".",
         api_key: str | None = None,
         api: EngineAPI | None = None,
     ):
-        self.gen = gen
+        self.gen = gen = as_section(gen, "generation")
         self.api = api or engines.for_config(gen)
-        self.launch = gen.get("launch") or {}
+        self.launch = gen.launch
         self.log_path = Path(log_dir) / "engine.log"
         self.basedir = Path(basedir)
         self.api_key = api_key
@@ -441,22 +384,22 @@ class ManagedEngine:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _model_arg(self) -> str:
-        model = self.gen["model"]
+        model = self.gen.model
         local = self.basedir / model
         return str(local.resolve()) if local.exists() else model
 
     def build_argv(self, port: int) -> list[str]:
-        host = self.launch.get("host", "127.0.0.1")
-        nnodes = int(self.launch.get("nnodes", 1))
+        host = self.launch.host
+        nnodes = self.launch.nnodes
         values = {
             "python": sys.executable,
             "model": self._model_arg(),
-            "revision": self.gen.get("revision") or "",
+            "revision": self.gen.revision or "",
             "host": host,
             "port": port,
             "nnodes": nnodes,
         }
-        argv = substitute(list(self.launch["command"]), values)
+        argv = substitute(list(self.launch.command), values)
         if nnodes > 1:
             # Checked here, on the node where rank 0 runs (the first of the job's nodes).
             self.dist_port = free_port_block(port + DIST_PORT_OFFSET)
@@ -466,8 +409,8 @@ class ManagedEngine:
         return substitute(argv, {"node_rank": 0, "dist_init_addr": f"127.0.0.1:{port + 1}"})
 
     def _request_host(self) -> str:
-        host = self.launch.get("host", "127.0.0.1")
-        if int(self.launch.get("nnodes", 1)) > 1 and job_nodelist(os.environ):
+        host = self.launch.host
+        if self.launch.nnodes > 1 and job_nodelist(os.environ):
             return head_address(os.environ)
         return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
@@ -482,15 +425,15 @@ class ManagedEngine:
         return "\n".join(redact(lines[-n:], [self.api_key or ""]))
 
     async def start(self) -> None:
-        port = free_port(self.launch.get("host", "127.0.0.1"))
+        port = free_port(self.launch.host)
         self.argv = self.build_argv(port)
         self.url = f"http://{self._request_host()}:{port}"
         self.starts += 1
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**self.api.default_env, **os.environ}
-        if int(self.launch.get("nnodes", 1)) > 1:
+        if self.launch.nnodes > 1:
             env = clean_slurm_env(env)
-        env.update({k: str(v) for k, v in (self.launch.get("env") or {}).items()})
+        env.update({k: str(v) for k, v in self.launch.env.items()})
         with open(self.log_path, "ab") as logf:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
             shown = " ".join(redact_argv(self.argv, [self.api_key or ""]))
@@ -514,7 +457,7 @@ class ManagedEngine:
         await self.wait_ready()
 
     async def wait_ready(self) -> None:
-        timeout = float(self.launch.get("startup_timeout_s", 900))
+        timeout = float(self.launch.startup_timeout_s)
         deadline = time.monotonic() + timeout
         t = aiohttp.ClientTimeout(total=30)
         async with aiohttp.ClientSession(timeout=t) as s:
@@ -576,10 +519,15 @@ class ExternalEngines:
     """Servers (or an sglang-router) started by someone else: nothing to launch or stop."""
 
     def __init__(
-        self, gen: dict, api_key: str | None = None, api: EngineAPI | None = None, basedir="."
+        self,
+        gen: GenerationSettings | dict,
+        api_key: str | None = None,
+        api: EngineAPI | None = None,
+        basedir=".",
     ):
+        gen = as_section(gen, "generation")
         self.api = api or engines.for_config(gen)
-        self.urls = [u.rstrip("/") for u in (gen.get("external") or {}).get("urls", [])]
+        self.urls = [u.rstrip("/") for u in gen.external.urls]
         self.api_key = api_key
         self.server_info: dict = {}
         self.model_info: dict = {}
