@@ -14,6 +14,7 @@ from tokenmill.config import (
 )
 from tokenmill.generate import preemption
 from tokenmill.generate.resources import job_resources
+from tokenmill.keys import generation_fingerprint
 from tokenmill.settings import Settings
 from tokenmill.tokenization.shards import shard_names
 
@@ -45,7 +46,7 @@ if not (workflow.remote_exec or workflow.subprocess_exec):
 RESULTS = SETTINGS.results_dir
 CATEGORIES = sorted(SETTINGS.categories)
 TOKENIZER_FINGERPRINT = support.tokenizer_params_fingerprint(SETTINGS.tokenizer, ".")
-GENERATION_FINGERPRINT = SETTINGS.generation.fingerprint
+GENERATION_FINGERPRINT = generation_fingerprint(SETTINGS.generation)
 if SETTINGS.reproduce:
     from tokenmill.provenance.reproduce import load_manifest, reproduce_problems
 

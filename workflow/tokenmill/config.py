@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from tokenmill.keys import generation_fingerprint
 from tokenmill.prepare.hooks import load_hook
 from tokenmill.prepare.sources import SourceError, expand_paths
 from tokenmill.settings import (  # noqa: F401 - re-exported for the Snakefile and tests
@@ -141,7 +142,7 @@ def outputs_config(config: Settings | dict) -> dict:
     not change a token, and neither does where the journal lives."""
     config = as_settings(config)
     view = {k: v for k, v in config.raw.items() if k not in OPERATIONAL_TOP_KEYS}
-    view["generation"] = {"fingerprint": config.generation.fingerprint}
+    view["generation"] = {"fingerprint": generation_fingerprint(config.generation)}
     return view
 
 

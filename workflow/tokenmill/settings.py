@@ -312,12 +312,6 @@ class GenerationSettings(_Section):
     def managed(self) -> bool:
         return self.mode == "managed"
 
-    @property
-    def fingerprint(self) -> str:
-        from tokenmill.keys import generation_fingerprint
-
-        return generation_fingerprint(self)
-
 
 @dataclass(frozen=True)
 class CategorySettings(_Section):

@@ -622,7 +622,7 @@ def main(argv: list[str]) -> int:
             args.out,
             args.rejected,
             rules,
-            gen.fingerprint,
+            keys.generation_fingerprint(gen),
             args.category,
             args.shard,
             generate_rejected=args.generate_rejected,
