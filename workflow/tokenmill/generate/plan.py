@@ -45,7 +45,7 @@ import pyarrow.parquet as pq
 
 from tokenmill import keys
 from tokenmill.config import ConfigError, load_config
-from tokenmill.generate import conversations, journal
+from tokenmill.generate import conversations, job, journal
 from tokenmill.generate.resources import category_resources, gpus_per_job
 from tokenmill.tokenization.shards import shard_names
 
@@ -56,8 +56,6 @@ class CategoryPlan:
     """One category's shards, keys and journal state."""
 
     def __init__(self, config: dict, category: str, basedir: Path):
-        from tokenmill.generate.stage import Shard  # keys exactly as generate computes them
-
         gen = config["generation"]
         self.category = category
         self.fingerprint = keys.generation_fingerprint(gen)
@@ -77,7 +75,7 @@ class CategoryPlan:
             path = results / "tokenized" / category / f"{name}.parquet"
             if not path.exists():
                 continue
-            shard = Shard(str(path), self.fingerprint, gen.get("seed_policy", "none"))
+            shard = job.Shard(str(path), self.fingerprint, gen.get("seed_policy", "none"))
             # Stop tokens as ids (tokenize resolved them into every shard's metadata).
             self.shard_metadata = shard.metadata
             self.prompts += len(shard)
@@ -111,10 +109,9 @@ class CategoryPlan:
     def _replay(self, name: str, path: Path):
         """The shard's conversations, replayed from the journal exactly as generate does."""
         from tokenmill.generate import engines
-        from tokenmill.generate.stage import resolve_stop_ids
 
         gen, tok_cfg = self.config["generation"], self.config["tokenizer"]
-        stop_ids, _ = resolve_stop_ids(gen, tok_cfg, str(self.basedir), self.shard_metadata)
+        stop_ids, _ = job.resolve_stop_ids(gen, tok_cfg, str(self.basedir), self.shard_metadata)
         convs = conversations.Conversations(
             path, self.fingerprint, gen.get("seed_policy", "none"), stop_ids, tok_cfg,
             str(self.basedir), engines.for_config(gen).prompt_at_fault,
@@ -287,7 +284,6 @@ async def _pilot(config: dict, basedir: Path, plans: dict, n: int) -> dict:
     from tokenmill.generate import engines
     from tokenmill.generate.client import Client, ClientOptions, Stats
     from tokenmill.generate.launch import ExternalEngines, ManagedEngine
-    from tokenmill.generate.stage import _api_key, resolve_stop_ids
 
     gen = config["generation"]
     api = engines.for_config(gen)
@@ -299,9 +295,9 @@ async def _pilot(config: dict, basedir: Path, plans: dict, n: int) -> dict:
         chosen += [(cat, name, it) for name, it in todo[:n]]
     if not chosen:
         return {}
-    api_key = _api_key(gen)
+    api_key = job.api_key(gen)
     shard_meta = next((cp.shard_metadata for cp in plans.values() if cp.shard_metadata), {})
-    stop_ids, _ = resolve_stop_ids(gen, config["tokenizer"], str(basedir), shard_meta)
+    stop_ids, _ = job.resolve_stop_ids(gen, config["tokenizer"], str(basedir), shard_meta)
     opts = ClientOptions.from_config(gen, stop_ids, api_key)
     managed = gen.get("mode", "managed") == "managed"
     log_dir = basedir / config["results_dir"] / "logs" / "plan"
