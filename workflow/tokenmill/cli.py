@@ -7,9 +7,9 @@ Each module exposes `main(argv: list[str]) -> int`.
 from __future__ import annotations
 
 import importlib
-import json
 import sys
-from pathlib import Path
+
+from tokenmill.settings import json_arg  # noqa: F401 - moved; kept until every stage imports it from settings
 
 COMMANDS = {
     "check-config": ("tokenmill.config", "validate a config file and print it resolved"),
@@ -37,15 +37,6 @@ COMMANDS = {
         "build the tiny offline tokenizer and model",
     ),
 }
-
-
-def json_arg(value: str, what: str = "argument") -> dict:
-    """A JSON object given inline ('{...}', as the Snakemake rules pass it) or as a file path."""
-    text = value if value.lstrip().startswith("{") else Path(value).read_text(encoding="utf-8")
-    obj = json.loads(text)
-    if not isinstance(obj, dict):
-        raise ValueError(f"{what} must be a JSON object (or a file holding one)")
-    return obj
 
 
 def usage() -> str:

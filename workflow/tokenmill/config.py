@@ -11,62 +11,15 @@ import json
 import sys
 from pathlib import Path
 
-import jsonschema
-import yaml
-
 from tokenmill.prepare.sources import SourceError, expand_paths
-
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
-
-
-class ConfigError(ValueError):
-    """A configuration problem, with the offending key in the message."""
-
-
-def _key(path) -> str:
-    parts = [str(p) for p in path]
-    return ".".join(parts) if parts else "<top level>"
-
-
-def _with_defaults(validator_class):
-    validate_properties = validator_class.VALIDATORS["properties"]
-
-    def set_defaults(validator, properties, instance, schema):
-        if isinstance(instance, dict):
-            for name, sub in properties.items():
-                if "default" in sub and name not in instance:
-                    instance[name] = json.loads(json.dumps(sub["default"]))
-        yield from validate_properties(validator, properties, instance, schema)
-
-    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
-
-
-def load_schema() -> dict:
-    with open(SCHEMA_PATH) as f:
-        return yaml.safe_load(f)
-
-
-def _describe(error: jsonschema.ValidationError) -> str:
-    key = _key(error.absolute_path)
-    if error.validator == "additionalProperties":
-        return f"config key '{key}': {error.message}"
-    if error.validator == "required":
-        return f"config key '{key}': {error.message}"
-    if error.validator == "oneOf" and error.context:
-        best = jsonschema.exceptions.best_match(error.context)
-        return f"config key '{key}': {best.message}"
-    expected = error.schema.get("description") or error.schema.get("type") or ""
-    hint = f" (expected {expected})" if expected and error.validator != "type" else ""
-    return f"config key '{key}': {error.message}{hint}"
-
-
-def validate_schema(config: dict) -> dict:
-    """Validate against the JSON schema and fill in defaults (in place). Raises ConfigError."""
-    validator = _with_defaults(jsonschema.Draft202012Validator)(load_schema())
-    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
-    if errors:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(_describe(e) for e in errors))
-    return config
+from tokenmill.settings import (  # noqa: F401 - re-exported: the Snakefile and tests use them
+    SCHEMA_PATH,
+    ConfigError,
+    load_config_file,
+    load_schema,
+    normalize_source,
+    validate_schema,
+)
 
 
 def _is_hub_id(path: str) -> bool:
@@ -154,13 +107,6 @@ def check_semantics(config: dict, basedir: str | Path = ".") -> None:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
-def normalize_source(src, category: dict) -> dict:
-    """A source as a dict: {path, format} or {hub, config, split, revision, format}."""
-    spec = {"path": src} if isinstance(src, str) else dict(src)
-    spec.setdefault("format", category["format"])
-    return spec
-
-
 def load_hook(spec: str, basedir: str | Path = "."):
     """Import a user hook `module:function`; modules next to the workflow are importable."""
     root = str(Path(basedir).resolve())
@@ -225,9 +171,7 @@ def check_config(config: dict, basedir: str | Path = ".") -> dict:
 
 
 def load_config(path: str | Path, basedir: str | Path = ".") -> dict:
-    with open(path) as f:
-        config = yaml.safe_load(f) if str(path).endswith((".yaml", ".yml")) else json.load(f)
-    return check_config(config, basedir)
+    return check_config(load_config_file(path), basedir)
 
 
 def main(argv: list[str]) -> int:

@@ -41,18 +41,22 @@ def _relevant_launch_args(command: list[str]) -> list[str]:
     return out
 
 
-def generation_fingerprint(gen: dict) -> str:
-    launch = gen.get("launch") or {}
+def generation_fingerprint(gen) -> str:
+    """The hash of everything in the generation settings that shapes a token. `gen` is a
+    GenerationSettings, or a generation section as a dict (validated here, defaults filled)."""
+    from tokenmill.settings import GenerationSettings, load_section
+
+    if not isinstance(gen, GenerationSettings):
+        gen = load_section(gen, "generation")
+    raw = gen.raw  # the validated JSON values: the material hashes as it always has
     material = {
-        "engine": gen.get("engine", "sglang"),
-        "model": gen.get("model"),
-        "revision": gen.get("revision"),
-        "sampling": gen.get("sampling", {}),
-        "stop_tokens": gen.get("stop_tokens", []),
-        "seed_policy": gen.get("seed_policy", "none"),
-        "launch": _relevant_launch_args(launch.get("command", []))
-        if gen.get("mode", "managed") == "managed"
-        else None,
+        "engine": gen.engine,
+        "model": gen.model,
+        "revision": gen.revision,
+        "sampling": raw["sampling"],
+        "stop_tokens": raw["stop_tokens"],
+        "seed_policy": gen.seed_policy,
+        "launch": _relevant_launch_args(list(gen.launch.command or [])) if gen.managed else None,
     }
     return hashlib.sha256(canonical_json(material).encode()).hexdigest()
 

@@ -1,0 +1,408 @@
+"""Typed, read-only settings: one frozen dataclass per config section, built once from the
+schema-validated config.
+
+The JSON schema (workflow/schemas/config.schema.yaml) is the only place a default lives:
+validation fills every default in, and the dataclasses below copy the validated values without
+adding any of their own (a field is None only where the schema gives the key no default).
+Stages receive these objects, never raw dicts with `.get(key, default)` fallbacks.
+
+A stage command loads what it is given with `load_section(value, "generation")`: inline JSON or
+a file path, holding the whole config or just that section, validated against that section's
+part of the schema; a partial or wrong section fails with a ConfigError naming the full key.
+Each object keeps `.raw`, the validated dict, for fingerprints and JSON hand-off to jobs.
+
+This module sits below the stages: it imports no stage module.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import jsonschema
+import yaml
+
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
+
+# Top-level keys whose value is a section with its own settings class (see load_section).
+SECTIONS = ("tokenizer", "generation", "dataset", "categories")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending key in the message."""
+
+
+# --------------------------------------------------------------------------------------------
+# Schema validation with defaults
+
+
+def _key(path) -> str:
+    parts = [str(p) for p in path]
+    return ".".join(parts) if parts else "<top level>"
+
+
+def _with_defaults(validator_class):
+    validate_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if "default" in sub and name not in instance:
+                    instance[name] = json.loads(json.dumps(sub["default"]))
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
+
+
+@functools.lru_cache(maxsize=1)
+def _schema_text() -> str:
+    return SCHEMA_PATH.read_text(encoding="utf-8")
+
+
+def load_schema() -> dict:
+    """The config's JSON schema (a fresh copy: callers may modify it)."""
+    return yaml.safe_load(_schema_text())
+
+
+def _describe(error: jsonschema.ValidationError, prefix: tuple = ()) -> str:
+    key = _key([*prefix, *error.absolute_path])
+    if error.validator in ("additionalProperties", "required"):
+        return f"config key '{key}': {error.message}"
+    if error.validator == "oneOf" and error.context:
+        best = jsonschema.exceptions.best_match(error.context)
+        return f"config key '{key}': {best.message}"
+    expected = error.schema.get("description") or error.schema.get("type") or ""
+    hint = f" (expected {expected})" if expected and error.validator != "type" else ""
+    return f"config key '{key}': {error.message}{hint}"
+
+
+def _validate(instance, schema: dict, prefix: tuple = ()):
+    validator = _with_defaults(jsonschema.Draft202012Validator)(schema)
+    errors = sorted(validator.iter_errors(instance), key=lambda e: list(e.absolute_path))
+    if errors:
+        raise ConfigError(
+            "invalid configuration:\n  " + "\n  ".join(_describe(e, prefix) for e in errors)
+        )
+    return instance
+
+
+def validate_schema(config: dict) -> dict:
+    """Validate against the JSON schema and fill in defaults (in place). Raises ConfigError."""
+    return _validate(config, load_schema())
+
+
+def section_schema(section: str) -> dict:
+    """The part of the schema that describes one top-level key (with the shared $defs)."""
+    schema = load_schema()
+    if section not in schema["properties"]:
+        raise ConfigError(f"no config section '{section}' (known: {', '.join(SECTIONS)})")
+    return {**schema["properties"][section], "$defs": schema["$defs"]}
+
+
+def validate_section(value, section: str) -> Any:
+    """Validate one section (a copy) and fill in its defaults. Errors name `section.key`."""
+    value = copy.deepcopy(value)
+    schema = section_schema(section)
+    if value is None and "default" in schema:
+        value = json.loads(json.dumps(schema["default"]))
+    return _validate(value, schema, (section,))
+
+
+# --------------------------------------------------------------------------------------------
+# JSON arguments of stage commands
+
+
+def json_arg(value: str, what: str = "argument") -> dict:
+    """A JSON object given inline ('{...}', as the Snakemake rules pass it) or as a file path."""
+    text = value if value.lstrip().startswith("{") else Path(value).read_text(encoding="utf-8")
+    obj = json.loads(text)
+    if not isinstance(obj, dict):
+        raise ValueError(f"{what} must be a JSON object (or a file holding one)")
+    return obj
+
+
+def _is_whole_config(obj: Mapping) -> bool:
+    # The two keys the schema requires at the top level; no section has both.
+    return "tokenizer" in obj and "categories" in obj
+
+
+def load_section(value: str | Mapping, section: str | None):
+    """A stage command's settings: `value` is inline JSON ('{...}'), a file path (JSON or
+    YAML) or a dict, holding the whole config or just `section`. Validated with defaults
+    filled; returns the section's settings object (Settings for section None or "config",
+    a mapping name -> CategorySettings for "categories"). Raises ConfigError naming the key."""
+    if isinstance(value, Mapping):
+        obj = dict(value)
+    else:
+        try:
+            text = value if value.lstrip().startswith("{") else Path(value).read_text("utf-8")
+            yaml_file = str(value).endswith((".yaml", ".yml"))
+            obj = yaml.safe_load(text) if yaml_file else json.loads(text)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"config {section or ''} {value!r}: {exc}") from exc
+        if not isinstance(obj, dict):
+            raise ConfigError(f"config {section or ''} {value!r}: not a JSON object")
+    if section in (None, "config"):
+        return Settings.from_config(obj)
+    if _is_whole_config(obj):
+        return getattr(Settings.from_config(obj), section)
+    raw = validate_section(obj, section)
+    if section == "categories":
+        return _categories(raw)
+    return _SECTION_CLASSES[section].from_raw(raw)
+
+
+def load_config_file(path: str | Path) -> dict:
+    """A config file (YAML or JSON) as a dict, not yet validated."""
+    with open(path) as f:
+        return yaml.safe_load(f) if str(path).endswith((".yaml", ".yml")) else json.load(f)
+
+
+# --------------------------------------------------------------------------------------------
+# Settings objects
+
+
+def freeze(value):
+    """A read-only copy: dicts become MappingProxyType, lists tuples (recursively)."""
+    if isinstance(value, Mapping):
+        return MappingProxyType({k: freeze(v) for k, v in value.items()})
+    if isinstance(value, list | tuple):
+        return tuple(freeze(v) for v in value)
+    return value
+
+
+def thaw(value):
+    """The plain JSON-able form of a frozen value (dicts and lists)."""
+    if isinstance(value, Mapping):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [thaw(v) for v in value]
+    return value
+
+
+def _nested(cls):
+    return field(metadata={"section": cls})
+
+
+class _Section:
+    """Builds a frozen dataclass from a validated dict: each field is the key of the same name
+    (read-only), a nested section is built by its own class. Keys the schema gives no default
+    may be absent: their field is None."""
+
+    raw: dict
+
+    @classmethod
+    def from_raw(cls, raw: Mapping):
+        raw = copy.deepcopy(dict(raw))
+        values = {}
+        for f in fields(cls):
+            if f.name == "raw":
+                continue
+            sub = f.metadata.get("section")
+            v = raw.get(f.name)  # absent only where the schema has no default: None
+            values[f.name] = sub.from_raw(v if v is not None else {}) if sub else freeze(v)
+        return cls(raw=raw, **values)
+
+
+@dataclass(frozen=True)
+class TokenizerSettings(_Section):
+    raw: dict = field(repr=False, compare=False)
+    path: str
+    revision: str | None
+    trust_remote_code: bool
+    chat_template: str | None
+    chat_template_kwargs: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class RetrySettings(_Section):
+    raw: dict = field(repr=False, compare=False)
+    max_attempts: int
+    backoff_initial_s: float
+    backoff_max_s: float
+    fail_fast_after: int
+
+
+@dataclass(frozen=True)
+class RejectLimitSettings(_Section):
+    raw: dict = field(repr=False, compare=False)
+    max_fraction: float
+    min_count: int
+
+
+@dataclass(frozen=True)
+class LaunchSettings(_Section):
+    raw: dict = field(repr=False, compare=False)
+    command: tuple[str, ...] | None  # required in managed mode (a semantic check)
+    host: str
+    startup_timeout_s: float
+    max_restarts: int
+    nnodes: int
+    env: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class ExternalSettings(_Section):
+    raw: dict = field(repr=False, compare=False)
+    urls: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ResourceSettings(_Section):
+    """SLURM resources of a generate job (generation.resources, or a category's effective
+    resources: generation.resources with the category's overrides)."""
+
+    raw: dict = field(repr=False, compare=False)
+    gpus: int
+    gpu_model: str | None
+    cpus: int
+    mem_mb: int
+    max_mem_mb: int | None
+    runtime_min: int
+    max_runtime_min: int | None
+    qos: str | None
+    constraint: str | None
+
+
+@dataclass(frozen=True)
+class GenerationSettings(_Section):
+    raw: dict = field(repr=False, compare=False)
+    engine: str
+    mode: str
+    model: str | None  # required when generating (a semantic check)
+    revision: str | None
+    server_model: str | None
+    launch: LaunchSettings = _nested(LaunchSettings)
+    external: ExternalSettings = _nested(ExternalSettings)
+    api_key_env: str | None
+    sampling: Mapping[str, Any]
+    stop_tokens: tuple[str | int, ...]
+    seed_policy: str
+    allow_ignored_seeds: bool
+    concurrency: int
+    request_timeout_s: float
+    retry: RetrySettings = _nested(RetrySettings)
+    reject_limit: RejectLimitSettings = _nested(RejectLimitSettings)
+    progress_interval_s: float
+    resources: ResourceSettings = _nested(ResourceSettings)
+
+    @property
+    def managed(self) -> bool:
+        return self.mode == "managed"
+
+    @property
+    def fingerprint(self) -> str:
+        from tokenmill.keys import generation_fingerprint
+
+        return generation_fingerprint(self)
+
+
+@dataclass(frozen=True)
+class CategorySettings(_Section):
+    raw: dict = field(repr=False, compare=False)
+    sources: tuple  # strings or read-only mappings, as written (see source_specs)
+    format: str
+    format_options: Mapping[str, str | None]
+    hook: str | None
+    turns: str
+    context: str | None  # None: as "dataset"
+    max_prompts: int | None
+    sample_seed: int
+    shards: int
+    resources: Mapping[str, Any] | None  # only the keys it overrides in generation.resources
+
+    @property
+    def regenerated(self) -> bool:
+        return self.context == "regenerated"
+
+    def source_specs(self) -> list[dict]:
+        """Every source as a dict: {path, format} or {hub, config, split, revision, format}."""
+        return [normalize_source(thaw(s), self.raw) for s in self.sources]
+
+
+@dataclass(frozen=True)
+class DatasetSettings(_Section):
+    raw: dict = field(repr=False, compare=False)
+    max_sequence_tokens: int
+    reject_truncated: bool
+    think_end_token: str | None
+    think_start_token: str | None
+    require_think_end: bool
+    export_jsonl: bool
+    draft_vocab_size: int | None
+    draft_vocab_weights: Mapping[str, float]
+    draft_vocab_target_size: int | None
+    draft_vocab_formats: tuple[str, ...]
+
+
+def _categories(raw: Mapping) -> Mapping[str, CategorySettings]:
+    return MappingProxyType({name: CategorySettings.from_raw(c) for name, c in raw.items()})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The whole resolved config. `raw` is the validated dict (defaults filled in)."""
+
+    raw: dict = field(repr=False, compare=False)
+    results_dir: str
+    journal_dir: str
+    tokenizer: TokenizerSettings
+    max_prompt_tokens: int
+    categories: Mapping[str, CategorySettings]
+    generation: GenerationSettings
+    reproduce: str | None
+    dataset: DatasetSettings
+
+    @classmethod
+    def from_config(cls, config: Mapping) -> Settings:
+        """Validate (a copy of) `config` against the schema, fill defaults, build settings."""
+        return cls.from_validated(validate_schema(copy.deepcopy(dict(config))))
+
+    @classmethod
+    def from_validated(cls, config: Mapping) -> Settings:
+        """Settings of a config that validate_schema already checked and filled."""
+        raw = copy.deepcopy(dict(config))
+        return cls(
+            raw=raw,
+            results_dir=raw["results_dir"],
+            journal_dir=raw["journal_dir"],
+            tokenizer=TokenizerSettings.from_raw(raw["tokenizer"]),
+            max_prompt_tokens=raw["max_prompt_tokens"],
+            categories=_categories(raw["categories"]),
+            generation=GenerationSettings.from_raw(raw["generation"]),
+            reproduce=raw["reproduce"],
+            dataset=DatasetSettings.from_raw(raw["dataset"]),
+        )
+
+    def resources(self, category: str | None = None) -> ResourceSettings:
+        """A category's effective generate-job resources (generation.resources with the
+        category's overrides); generation.resources for None."""
+        return effective_resources(self.generation, self.categories.get(category))
+
+
+def effective_resources(
+    generation: GenerationSettings, category: CategorySettings | None = None
+) -> ResourceSettings:
+    """generation.resources with the overrides of a category's `resources` (if any)."""
+    merged = {**generation.resources.raw, **thaw((category and category.resources) or {})}
+    return ResourceSettings.from_raw(merged)
+
+
+_SECTION_CLASSES = {
+    "tokenizer": TokenizerSettings,
+    "generation": GenerationSettings,
+    "dataset": DatasetSettings,
+}
+
+
+def normalize_source(src, category: Mapping) -> dict:
+    """A source as a dict: {path, format} or {hub, config, split, revision, format}."""
+    spec = {"path": src} if isinstance(src, str) else dict(src)
+    spec.setdefault("format", category["format"])
+    return spec
