@@ -52,6 +52,7 @@ from tokenmill.generate.job import (
     rejected_row,
     resolve_stop_ids,
 )
+from tokenmill.settings import GenerationSettings, TokenizerSettings, thaw
 from tokenmill.tokenization import conversations as conv
 
 log = logging.getLogger("tokenmill.generate")
@@ -92,7 +93,7 @@ class Conversations:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             from tokenmill.tokenization.tokenizer import load_tokenizer  # heavy: only here
 
-            self._tokenizer = load_tokenizer(self.tok_cfg, self.basedir)
+            self._tokenizer = load_tokenizer(self.tok_cfg.raw, self.basedir)
         return self._tokenizer
 
     def _next_prompt(self, c: int) -> list[int]:
@@ -113,7 +114,7 @@ class Conversations:
                                         self.think_end_id)
             )  # fmt: skip
         messages = conv.messages_with_answers(json.loads(row["messages"]), answers)
-        kwargs = dict(self.tok_cfg.get("chat_template_kwargs") or {})
+        kwargs = thaw(self.tok_cfg.chat_template_kwargs)
         return conv.render(tok, messages, conv.load_json(row["tools"]), True, kwargs)
 
     def _item(self, c: int) -> Item:
@@ -276,7 +277,9 @@ class Conversations:
         return len(gen_rows), len(rej_rows)
 
 
-async def run(args, gen: dict, tok_cfg: dict, meta: dict, t0: float | None = None) -> int:
+async def run(
+    args, gen: GenerationSettings, tok_cfg: TokenizerSettings, meta: dict, t0: float | None = None
+) -> int:
     """`tokenmill generate` for a conversation shard: the job core (generate/job.py) with the
     turn loop as its frontier."""
     # Every record of the shard's journal files is indexed: a turn's key is known only once
@@ -286,7 +289,7 @@ async def run(args, gen: dict, tok_cfg: dict, meta: dict, t0: float | None = Non
     try:
         stop_ids, _ = resolve_stop_ids(gen, tok_cfg, args.basedir, job.shard.metadata)
         convs = Conversations(
-            args.tokenized, job.fingerprint, gen.get("seed_policy", "none"), stop_ids, tok_cfg,
+            args.tokenized, job.fingerprint, gen.seed_policy, stop_ids, tok_cfg,
             args.basedir, job.api.prompt_at_fault,
         )  # fmt: skip
         convs.replay(index, sj.search_stale)

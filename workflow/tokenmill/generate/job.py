@@ -56,6 +56,12 @@ from tokenmill.generate.client import (
 )
 from tokenmill.generate.launch import ExternalEngines, ManagedEngine, model_vocab_size
 from tokenmill.redaction import redact
+from tokenmill.settings import (
+    CategorySettings,
+    GenerationSettings,
+    TokenizerSettings,
+    effective_resources,
+)
 
 log = logging.getLogger("tokenmill.generate")
 
@@ -69,9 +75,9 @@ PROMPT_ROW_GROUPS_CACHED = 4
 # ------------------------------------------------------------------------------ settings
 
 
-def api_key(gen: dict) -> str | None:
+def api_key(gen: GenerationSettings) -> str | None:
     """The API key from generation.api_key_env (None without one); an unset variable fails."""
-    name = gen.get("api_key_env")
+    name = gen.api_key_env
     if not name:
         return None
     value = os.environ.get(name)
@@ -80,15 +86,13 @@ def api_key(gen: dict) -> str | None:
     return value
 
 
-def is_managed(gen: dict) -> bool:
-    return gen.get("mode", "managed") == "managed"
-
-
-def resolve_stop_ids(gen: dict, tok_cfg: dict, basedir: str, shard_meta: dict):
+def resolve_stop_ids(
+    gen: GenerationSettings, tok_cfg: TokenizerSettings, basedir: str, shard_meta: dict
+):
     """(stop token ids, where they came from). Strings were resolved by `tokenmill tokenize`
     into the tokenized shard's metadata; only a shard written without them (or for other stop
     tokens) makes this load the tokenizer, which imports transformers."""
-    tokens = list(gen.get("stop_tokens") or [])
+    tokens = list(gen.stop_tokens)
     if all(isinstance(t, int) for t in tokens):
         return tokens, "config"
     stored = shard_meta.get(contracts.META_STOP_TOKENS)
@@ -106,7 +110,7 @@ def resolve_stop_ids(gen: dict, tok_cfg: dict, basedir: str, shard_meta: dict):
         resolve_token_ids,
     )
 
-    return resolve_token_ids(load_tokenizer(tok_cfg, basedir), tokens), "tokenizer"
+    return resolve_token_ids(load_tokenizer(tok_cfg.raw, basedir), tokens), "tokenizer"
 
 
 # --------------------------------------------------------------------------------- shard
@@ -131,9 +135,10 @@ class Shard:
         for g in range(self.pf.num_row_groups):
             t = self.pf.read_row_group(g, columns=["prompt_id", "prompt_ids"])
             self.prompt_id += t.column("prompt_id").to_pylist()
-            lengths.append(np.diff(contracts.list_arrays(t.column("prompt_ids"))[1]))
+            values, offsets = contracts.list_arrays(t.column("prompt_ids"))
+            lengths.append(np.diff(offsets))
             sizes.append(t.num_rows)
-            self.keys += keys.sample_keys(fingerprint, t.column("prompt_ids"))
+            self.keys += keys.sample_keys(fingerprint, (values, offsets))
         self.lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self._groups: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
@@ -173,10 +178,10 @@ class ShardItem(Item):
         return self._shard.ids(self._i).tolist()
 
 
-def check_vocab(shard: Shard, gen: dict, basedir: str, meta: dict) -> None:
+def check_vocab(shard: Shard, gen: GenerationSettings, basedir: str, meta: dict) -> None:
     """Refuse to send a prompt id the model cannot embed: SGLang's scheduler dies on one (a
     tokenizer/model mismatch), and a managed engine would crash-loop through its restarts."""
-    vocab, source = model_vocab_size(gen.get("model"), basedir, gen.get("revision"))
+    vocab, source = model_vocab_size(gen.model, basedir, gen.revision)
     meta["vocab_check"] = {"vocab_size": vocab, "source": source}
     if vocab is None:
         log.warning("prompt ids not range-checked before generation: %s", source)
@@ -197,7 +202,7 @@ def check_vocab(shard: Shard, gen: dict, basedir: str, meta: dict) -> None:
             f"{len(rows)} prompts hold token ids outside the model's vocabulary [0, {vocab}) "
             f"({source}), e.g. id {first_bad} in prompt {ids[0]} (prompts "
             f"{', '.join(ids)}): the tokenizer does not belong to generation.model "
-            f"{gen.get('model')!r}. Nothing was sent (such an id kills SGLang's scheduler)"
+            f"{gen.model!r}. Nothing was sent (such an id kills SGLang's scheduler)"
         )
 
 
@@ -209,8 +214,8 @@ class Job:
     """What the steps of one generate job share."""
 
     args: object  # the command's arguments (category, shard, paths)
-    gen: dict
-    tok_cfg: dict
+    gen: GenerationSettings
+    tok_cfg: TokenizerSettings
     meta: dict
     clock: dict  # monotonic times: t0 (process start), run, replayed, first_request, ...
     fingerprint: str
@@ -224,13 +229,9 @@ class Job:
     stats: Stats = field(default_factory=Stats)
     unjournaled: dict = field(default_factory=dict)  # this job's engine errors, by key
 
-    @property
-    def managed(self) -> bool:
-        return is_managed(self.gen)
 
-
-def open_job(args, gen: dict, tok_cfg: dict, meta: dict, t0: float | None, wanted,
-             pre_reject=None) -> Job:  # fmt: skip
+def open_job(args, gen: GenerationSettings, tok_cfg: TokenizerSettings, meta: dict,
+             t0: float | None, wanted, pre_reject=None) -> Job:  # fmt: skip
     """Check the settings a request needs, read the shard's keys, bring the journal to the
     shard count (a changed count moves records once, here, in the first job that sees it) and
     index this shard's journal files. `wanted(shard, pre_rejected)`: the keys to index (None:
@@ -238,11 +239,11 @@ def open_job(args, gen: dict, tok_cfg: dict, meta: dict, t0: float | None, wante
     refused before any engine sees them. The caller closes job.index."""
     t_run = time.monotonic()
     fingerprint = keys.generation_fingerprint(gen)
-    api = engines.for_config(gen)  # the engine-specific part: requests, answers, identity
+    api = engines.for_config(gen.raw)  # the engine-specific part: requests, answers, identity
     # The engine's sampling keys are checked before the first request is paid for.
-    engines.validate(gen)
+    engines.validate(gen.raw)
     api_key(gen)  # an unset key variable fails here, before any work
-    shard = Shard(args.tokenized, fingerprint, gen.get("seed_policy", "none"))
+    shard = Shard(args.tokenized, fingerprint, gen.seed_policy)
     pre_rejected = pre_reject(shard) if pre_reject is not None else {}
     want = wanted(shard, pre_rejected)
     migration = None
@@ -261,7 +262,7 @@ def common_meta(job: Job) -> dict:
         generation_fingerprint=job.fingerprint,
         category=job.args.category,
         shard=job.args.shard,
-        mode="managed" if job.managed else "external",
+        mode=job.gen.mode,
         engine=job.api.name,
         engine_started=False,
         counts=job.counts,
@@ -273,21 +274,20 @@ async def generate(job: Job, missing: list[Item], frontier=None, follow=None) ->
     Conversations (generate/conversations.py): `follow(record)` gives the items an answer makes
     possible, `frontier()` the items still to send after an engine restart."""
     args, gen, meta, clock, stats, api = job.args, job.gen, job.meta, job.clock, job.stats, job.api
-    managed = job.managed
-    launch = gen.get("launch") or {}
+    managed = gen.managed
     key = api_key(gen)
     secrets = [key] if key else []
     stop_ids, meta["stop_token_ids_from"] = resolve_stop_ids(
         gen, job.tok_cfg, args.basedir, job.shard.metadata
     )
     check_vocab(job.shard, gen, args.basedir, meta)
-    opts = ClientOptions.from_config(gen, stop_ids, key)
+    opts = ClientOptions.from_config(gen.raw, stop_ids, key)
     ok_before = sum(1 for k in job.index.entries if job.index.ok(k))
     guard = RejectionGuard(opts.reject_max_fraction, opts.reject_min_count, ok_before)
     engine = (
-        ManagedEngine(gen, args.log_dir, args.basedir, key, api=api)
+        ManagedEngine(gen.raw, args.log_dir, args.basedir, key, api=api)
         if managed
-        else ExternalEngines(gen, key, api=api, basedir=args.basedir)
+        else ExternalEngines(gen.raw, key, api=api, basedir=args.basedir)
     )
     writer, append = job.sj.writer(job.index)
     meta["journal"]["file"] = str(writer.path)
@@ -316,7 +316,7 @@ async def generate(job: Job, missing: list[Item], frontier=None, follow=None) ->
         engine_meta(meta, engine, secrets)
         if not managed:
             sti = any(api.server_skips_tokenizer(si) for si in engine.server_info.values())
-            api.validate_sampling(gen.get("sampling") or {}, sti)
+            api.validate_sampling(gen.raw["sampling"], sti)
         urls = [engine.url] if managed else engine.urls
         while True:
             if frontier is not None:
@@ -339,7 +339,7 @@ async def generate(job: Job, missing: list[Item], frontier=None, follow=None) ->
                     f"{exc}\nlast lines of the engine log:\n{engine.log_tail()}"
                 ) from None
             except EngineDied as exc:
-                if restarts >= int(launch.get("max_restarts", 2)):
+                if restarts >= gen.launch.max_restarts:
                     raise GenerationFailed(
                         f"engine died {restarts + 1} times (launch.max_restarts={restarts}); "
                         f"last: {exc}; engine log tail:\n{engine.log_tail()}"
@@ -461,50 +461,43 @@ def finish_timing(job: Job, t_write: float) -> dict:
     return t
 
 
-def held_resources(gen: dict, category: str, meta: dict, environ=None) -> dict:
+def held_resources(gen: GenerationSettings, category: str, meta: dict, environ=None) -> dict:
     """What the job held, for its cost (meta["held"]; dataset/stats.py multiplies the job's
     wall time by `gpus`): GPUs per node, nodes, GPUs in all, the engine's version, and where
     the numbers came from.
 
-    - external mode: the servers' GPUs are not the job's: gpus null;
+    - external mode: the servers' GPUs are not the job's: every count null;
     - inside a SLURM allocation: SLURM_JOB_NUM_NODES and SLURM_GPUS_ON_NODE (else
-      SLURM_GPUS_PER_NODE, else the devices in CUDA_VISIBLE_DEVICES; none: 0);
-    - elsewhere: the category's resources.gpus as the workflow's config gives them for this job
-      (TOKENMILL_CONFIG_JSON, else the generation section) x launch.nnodes.
+      SLURM_GPUS_PER_NODE, else the devices in CUDA_VISIBLE_DEVICES; none of them: 0);
+    - elsewhere: the category's effective resources.gpus (generation.resources with the
+      category's overrides, from the workflow's resolved config in TOKENMILL_CONFIG_JSON; a job
+      started by hand without it: generation.resources.gpus) x launch.nnodes.
     """
     env = os.environ if environ is None else environ
-    version = _engine_version(meta.get("server_info"), is_managed(gen))
-    if not is_managed(gen):
+    version = _engine_version(meta.get("server_info"), gen.managed)
+    if not gen.managed:
         return {"gpus_per_node": None, "nodes": None, "gpus": None, "engine_version": version,
                 "source": "external servers"}  # fmt: skip
     if env.get("SLURM_JOB_ID"):
         nodes = _int(env.get("SLURM_JOB_NUM_NODES")) or 1
-        per_node = _int(env.get("SLURM_GPUS_ON_NODE"))
-        source = "SLURM_GPUS_ON_NODE"
+        per_node, source = _int(env.get("SLURM_GPUS_ON_NODE")), "SLURM_GPUS_ON_NODE"
         if per_node is None:
             per_node, source = _int(env.get("SLURM_GPUS_PER_NODE")), "SLURM_GPUS_PER_NODE"
         if per_node is None and env.get("CUDA_VISIBLE_DEVICES") is not None:
             visible = [d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
             per_node, source = len(visible), "CUDA_VISIBLE_DEVICES"
         if per_node is None:
-            per_node, source = 0, "SLURM allocation without GPUs"
-        source = f"SLURM_JOB_NUM_NODES, {source}"
+            per_node, source = 0, "no GPUs in the allocation"
+        source = f"SLURM allocation: SLURM_JOB_NUM_NODES, {source}"
     else:
         from tokenmill.config import ENV_CONFIG
-        from tokenmill.generate import resources
 
-        config = None
-        if env.get(ENV_CONFIG):
-            config = json.loads(env[ENV_CONFIG])
-            if category not in (config.get("categories") or {}):
-                config = None
-        if config is None:
-            config, category, source = {"generation": gen}, None, "generation.resources"
-        else:
-            source = f"categories.{category}.resources over generation.resources"
-        per_node = int(resources.category_resources(config, category).get("gpus", 0))
-        nodes = resources.nnodes(config)
-        source += " x launch.nnodes (no SLURM allocation)"
+        categories = json.loads(env[ENV_CONFIG]).get("categories") if env.get(ENV_CONFIG) else {}
+        cat = (categories or {}).get(category)
+        res = effective_resources(gen, CategorySettings.from_raw(cat) if cat else None)
+        per_node, nodes = res.gpus, gen.launch.nnodes
+        source = f"categories.{category}.resources over " if cat else ""
+        source += "generation.resources x launch.nnodes (no SLURM allocation)"
     return {"gpus_per_node": per_node, "nodes": nodes, "gpus": per_node * nodes,
             "engine_version": version, "source": source}  # fmt: skip
 

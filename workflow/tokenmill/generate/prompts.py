@@ -36,6 +36,7 @@ from tokenmill.generate.job import (
     open_job,
     rejected_row,
 )
+from tokenmill.settings import GenerationSettings, TokenizerSettings
 
 log = logging.getLogger("tokenmill.generate")
 
@@ -50,7 +51,9 @@ def wanted(shard: Shard, pre_rejected: dict) -> set[str]:
     return {shard.keys[i] for i in range(len(shard)) if i not in pre_rejected}
 
 
-async def run(args, gen: dict, tok_cfg: dict, meta: dict, t0: float | None = None) -> int:
+async def run(
+    args, gen: GenerationSettings, tok_cfg: TokenizerSettings, meta: dict, t0: float | None = None
+) -> int:
     """`tokenmill generate` for a shard of single prompts. `t0`: the process's start on the
     monotonic clock (timing counts imports too)."""
     job = open_job(args, gen, tok_cfg, meta, t0, wanted, pre_reject)
@@ -155,7 +158,8 @@ def write_outputs(job: Job, gen_w, rej_w, compaction) -> int:
     prompts at a time, into row groups; hand each record once to the compaction. Returns the
     number of output tokens. job.unjournaled: this job's outcomes that are never journaled
     (engine errors, asked again by the next run), by key; they win over a journaled refusal."""
-    shard, index, pre_rejected, unjournaled = job.shard, job.index, job.pre_rejected, job.unjournaled
+    shard, index, pre_rejected = job.shard, job.index, job.pre_rejected
+    unjournaled = job.unjournaled
     order = sorted(range(len(shard)), key=shard.prompt_id.__getitem__)
     gen_buf = journal.RowGroupBuffer(gen_w.write, "output_ids")
     rej_buf = journal.RowGroupBuffer(rej_w.write, None)

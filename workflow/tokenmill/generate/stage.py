@@ -29,13 +29,13 @@ import time
 from datetime import UTC, datetime
 
 from tokenmill import contracts
-from tokenmill.cli import json_arg
 from tokenmill.generate import conversations, prompts, shard_lock
 from tokenmill.generate.client import GenerationFailed
 from tokenmill.generate.job import held_resources
 from tokenmill.generate.launch import EngineError
 from tokenmill.generate.shard_lock import ShardLocked
 from tokenmill.redaction import redact
+from tokenmill.settings import ConfigError, load_section
 
 log = logging.getLogger("tokenmill.generate")
 
@@ -56,12 +56,6 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def _load_section(path: str, name: str) -> dict:
-    obj = json_arg(path, f"--{name}-config")
-    # Accept the whole config as well as the section itself.
-    return obj[name] if isinstance(obj.get(name), dict) else obj
-
-
 def _write_json_atomic(path: str, obj) -> None:
     tmp = contracts.atomic_path(path)
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
@@ -80,7 +74,7 @@ def _process_age_s() -> float:
         return 0.0
 
 
-async def run(args, gen: dict, tok_cfg: dict, meta: dict, t0: float | None = None) -> int:
+async def run(args, gen, tok_cfg, meta: dict, t0: float | None = None) -> int:
     """The runner for the shard's kind. `t0`: the process's start on the monotonic clock
     (timing counts imports too)."""
     if conversations.is_conversation_shard(args.tokenized):  # context: regenerated
@@ -121,8 +115,13 @@ def main(argv: list[str]) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("aiohttp").setLevel(logging.WARNING)
-    gen = _load_section(args.generation_config, "generation")
-    tok_cfg = _load_section(args.tokenizer_config, "tokenizer")
+    try:
+        # Inline JSON or a file, the whole config or the section: validated, defaults filled.
+        gen = load_section(args.generation_config, "generation")
+        tok_cfg = load_section(args.tokenizer_config, "tokenizer")
+    except ConfigError as exc:
+        log.error("generate: %s", exc)
+        return 2
     meta: dict = {
         "start_time": datetime.now(UTC).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
@@ -143,6 +142,6 @@ def main(argv: list[str]) -> int:
     if rc == 0:
         meta["end_time"] = datetime.now(UTC).isoformat(timespec="seconds")
         meta["held"] = held_resources(gen, args.category, meta)
-        secrets = [k for k in [os.environ.get(gen.get("api_key_env") or "")] if k]
+        secrets = [k for k in [os.environ.get(gen.api_key_env or "")] if k]
         _write_json_atomic(args.meta, redact(meta, secrets))
     return rc
