@@ -137,8 +137,8 @@ def test_counts_of_sliced_arrow_arrays():
     rows = [([1, 2], [1, 1]), ([3, 4, 5], [0, 1, 1]), ([6], [1])]
     ids = pa.array([r for r, _ in rows], pa.list_(pa.int32())).slice(1, 2)
     mask = pa.array([m for _, m in rows], pa.list_(pa.int8())).slice(1, 2)
-    v, o = dv._flat(ids)
-    m, mo = dv._flat(mask)
+    v, o = contracts.list_arrays(ids, dtype=None)
+    m, mo = contracts.list_arrays(mask, dtype=None)
     assert o.tolist() == mo.tolist() == [0, 3, 4]
     assert np.flatnonzero(dv.count_loss_tokens(v, o, m, 8)).tolist() == [4, 5, 6]
 

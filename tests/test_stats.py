@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -441,3 +442,43 @@ def test_unterminated_reasoning_is_counted_as_reasoning(tmp_path, merge_start_id
     assert t["lengths"]["answer_tokens"]["sum"] == 0 + 2 + 0 + 2
     md = (tmp_path / "stats" / "summary.md").read_text()
     assert "| t | </think> | 1 | 2 | 1 |" in md
+
+
+def test_think_rule_is_one_for_merge_and_stats(tmp_path):
+    """A tokenizer with </think> but without <think> (the default think-open token): merge's
+    rules and stats' think ids come from the same rule (validate.think_ids) and agree: no
+    think-open id, nothing counts as unterminated. Stats used to raise on such a tokenizer.
+    An explicitly configured think-open token that the tokenizer lacks fails both alike."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tokenmill.dataset import validate
+    from tokenmill.tokenization.tokenizer import load_tokenizer
+
+    vocab = [t for t in ("<unk>", "<eos>", "<|im_end|>", "</think>", "w0", "w1")]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
+    # "<think>" splits into "<", "think", ">": not one token of this tokenizer
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        eos_token="<eos>",
+        additional_special_tokens=["<|im_end|>", "</think>"],
+    )
+    fast.save_pretrained(str(tmp_path / "tok"))
+    tok_cfg = {"path": str(tmp_path / "tok")}
+    tokenizer = load_tokenizer(tok_cfg)
+    ds = {"think_end_token": "</think>"}
+    merge_rules = validate.rules_from_config(ds, GEN_CFG, tokenizer)
+    stats_ids = stats.ThinkTokens({"tokenizer": tok_cfg, "dataset": ds}).get()
+    assert stats_ids == (merge_rules.think_start_id, merge_rules.think_end_id) == (None, 3)
+    ids = np.array([4, 5, 3, 4], np.int32)  # prompt w0 w1, output </think> w0: nothing open
+    assert not validate.unterminated(ids, np.array([0, 4]), np.array([2]), *stats_ids).any()
+
+    ds = {"think_end_token": "</think>", "think_start_token": "<think>"}
+    with pytest.raises(ValueError, match="<think>"):
+        validate.rules_from_config(ds, GEN_CFG, tokenizer)
+    with pytest.raises(ValueError, match="<think>"):
+        stats.ThinkTokens({"tokenizer": tok_cfg, "dataset": ds}).get()

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -28,6 +29,50 @@ META_TOKENIZER_FINGERPRINT = "tokenmill.tokenizer_fingerprint"
 META_GENERATION_FINGERPRINT = "tokenmill.generation_fingerprint"
 META_CATEGORY = "tokenmill.category"
 META_SHARD = "tokenmill.shard"
+
+# Counts: every stage's output files carry in = kept + rejected (count_metadata writes them).
+META_RECORDS_IN = "tokenmill.records_in"
+META_KEPT = "tokenmill.kept"
+META_REJECTED = "tokenmill.rejected"
+# merge names its kept and rejected counts so (its in is the same key).
+META_RECORDS_KEPT = "tokenmill.records_kept"
+META_RECORDS_REJECTED = "tokenmill.records_rejected"
+COUNT_KEYS = (META_RECORDS_IN, META_KEPT, META_REJECTED)
+MERGE_COUNT_KEYS = (META_RECORDS_IN, META_RECORDS_KEPT, META_RECORDS_REJECTED)
+
+# prepare: source records read (before the per-category split)
+META_SOURCE_RECORDS = "tokenmill.source_records"
+
+# tokenize: sharding, the prompt-length limit and the tokens kept in the shard;
+# generation.stop_tokens as configured (JSON) and resolved to ids with this tokenizer (JSON), so
+# that the generate job needs no tokenizer (and imports neither transformers nor torch).
+META_NUM_SHARDS = "tokenmill.num_shards"
+META_MAX_PROMPT_TOKENS = "tokenmill.max_prompt_tokens"
+META_PROMPT_TOKENS = "tokenmill.prompt_tokens"
+META_STOP_TOKENS = "tokenmill.stop_tokens"
+META_STOP_TOKEN_IDS = "tokenmill.stop_token_ids"
+
+# generate: the journal's compacted segments (generate/journal.py)
+META_JOURNAL_RECORDS_IN = "tokenmill.journal_records_in"
+META_JOURNAL_DUPLICATES = "tokenmill.journal_duplicates"
+
+# merge: what the join accounted for beside the generated rows
+META_NOT_GENERATED = "tokenmill.not_generated"
+META_GENERATE_REJECTED = "tokenmill.generate_rejected"
+META_TOKENIZED_ROWS = "tokenmill.tokenized_rows"
+# merge, context: regenerated: turn rows (in = kept + rejected) and samples by kind
+META_TURNS_IN = "tokenmill.turns_in"
+META_TURNS_KEPT = "tokenmill.turns_kept"
+META_TURNS_REJECTED = "tokenmill.turns_rejected"
+META_CONVERSATION_SAMPLES = "tokenmill.conversation_samples"
+META_TURN_SAMPLES = "tokenmill.turn_samples"
+
+# token counts and the draft vocabulary (dataset/draft_vocab.py)
+META_VOCAB_SIZE = "tokenmill.vocab_size"
+META_LOSS_TOKENS = "tokenmill.loss_tokens"
+META_ROWS = "tokenmill.rows"
+META_COUNTS_SCOPE = "tokenmill.counts_scope"
+META_SUMMED_FILES = "tokenmill.summed_files"
 
 # prepare: results/prompts/{category}.parquet
 # messages and tools are compact JSON in their source key order (see ordered_json):
@@ -257,7 +302,73 @@ def empty_table(schema: pa.Schema) -> pa.Table:
     return schema.empty_table()
 
 
+def rejected_row(
+    stage: str,
+    category: str,
+    reason: str,
+    detail: str | None = None,
+    source: str | None = None,
+    prompt_id: str | None = None,
+    record=None,
+) -> dict:
+    """The one constructor of a REJECTED row. `record`: the raw record as text (kept as is), or
+    any JSON value (a dict of the sample's fields), stored as canonical_json."""
+    if not reason or not isinstance(reason, str):
+        raise ValueError(f"a rejected row needs a reason code, got {reason!r}")
+    if record is not None and not isinstance(record, str):
+        record = canonical_json(record)
+    return {
+        "stage": stage,
+        "category": category,
+        "reason": reason,
+        "detail": detail,
+        "source": source,
+        "prompt_id": prompt_id,
+        "record": record,
+    }
+
+
 def rejected_table(rows: list[dict]) -> pa.Table:
-    """Build a REJECTED table from dicts (missing optional keys become null)."""
+    """Build a REJECTED table from rejected_row dicts (missing optional keys become null)."""
     cols = {name: [r.get(name) for r in rows] for name in REJECTED.names}
     return pa.table(cols, schema=REJECTED)
+
+
+class ConservationError(RuntimeError):
+    """The counts of a stage do not add up (in != kept + rejected)."""
+
+
+def check_conservation(what: str, n_in: int, kept: int, rejected: int) -> None:
+    """Raise ConservationError naming the counts unless n_in = kept + rejected."""
+    if n_in != kept + rejected:
+        raise ConservationError(
+            f"{what}: counts do not add up: in={n_in} != kept={kept} + rejected={rejected} "
+            f"(= {kept + rejected})"
+        )
+
+
+def count_metadata(
+    n_in: int, kept: int, rejected: int, *, what: str = "records", keys=COUNT_KEYS
+) -> dict[str, str]:
+    """The in/kept/rejected file metadata (`keys`: COUNT_KEYS, or MERGE_COUNT_KEYS for merge),
+    checked by check_conservation first: a file never carries counts that do not add up."""
+    check_conservation(what, n_in, kept, rejected)
+    return {k: str(int(v)) for k, v in zip(keys, (n_in, kept, rejected), strict=True)}
+
+
+def list_arrays(col, dtype="<i4") -> tuple[np.ndarray, np.ndarray]:
+    """(values, offsets from 0 as int64) of a list column (Array or ChunkedArray, sliced or
+    not; a null row is an empty one): row i owns values[offsets[i]:offsets[i + 1]]. Values
+    are cast to `dtype` (little-endian int32 by default: the bytes sample keys hash), or kept
+    in their own type with dtype=None."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if arr.null_count:
+        import pyarrow.compute as pc
+
+        arr = pc.fill_null(arr, pa.scalar([], type=arr.type))
+    offsets = np.asarray(arr.offsets, dtype=np.int64)
+    start, end = (int(offsets[0]), int(offsets[-1])) if len(offsets) else (0, 0)
+    values = arr.values.slice(start, end - start).to_numpy(zero_copy_only=False)
+    if dtype is not None:
+        values = values.astype(dtype, copy=False)
+    return values, offsets - start if start else offsets

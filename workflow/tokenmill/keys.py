@@ -12,6 +12,7 @@ import hashlib
 
 import numpy as np
 
+from tokenmill import contracts
 from tokenmill.contracts import canonical_json
 
 # Launch flags that cannot change what the engine generates (where and how it listens, logs,
@@ -62,8 +63,27 @@ def generation_fingerprint(gen) -> str:
 
 
 def sample_key(fingerprint: str, prompt_ids) -> str:
+    """The key of one sample: sha256(fingerprint ":" prompt ids as little-endian int32)[:32]."""
     data = np.asarray(prompt_ids, dtype="<i4").tobytes()
     return hashlib.sha256(fingerprint.encode() + b":" + data).hexdigest()[:32]
+
+
+def sample_keys(fingerprint: str, prompts) -> list[str]:
+    """sample_key of every row of `prompts`: a list<int32> column (Array or ChunkedArray), or
+    its (values, offsets) as contracts.list_arrays gives them. Hashes slices of one buffer."""
+    if isinstance(prompts, tuple):
+        values, offsets = prompts
+    else:
+        values, offsets = contracts.list_arrays(prompts)
+    buf = memoryview(np.ascontiguousarray(values, dtype="<i4").tobytes())
+    base = hashlib.sha256(fingerprint.encode() + b":")
+    bounds = (np.asarray(offsets, dtype=np.int64) * 4).tolist()  # Python ints: fast slicing
+    out = []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        h = base.copy()
+        h.update(buf[start:end])
+        out.append(h.hexdigest()[:32])
+    return out
 
 
 def sampling_seed(key: str) -> int:

@@ -45,19 +45,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tokenmill import contracts
+from tokenmill import contracts, model
 
 COUNTS_DIR = "token_counts"
 COUNTS_STAGE = "token_counts"
-META_VOCAB_SIZE = "tokenmill.vocab_size"
-META_LOSS_TOKENS = "tokenmill.loss_tokens"
-META_ROWS = "tokenmill.rows"
-# "shard" (one dataset shard), "category" (the sum of a category's shards) or "all" (the sum of
-# every category): a folder given to --counts is read for its shard files only, so the sums
-# that lie beside them (results/token_counts/{category}.parquet, _all.parquet) are not added
-# twice. Files without it are shard files.
-META_SCOPE = "tokenmill.counts_scope"
-META_FILES = "tokenmill.summed_files"
+# contracts.META_COUNTS_SCOPE: "shard" (one dataset shard), "category" (the sum of a category's
+# shards) or "all" (the sum of every category): a folder given to --counts is read for its shard
+# files only, so the sums that lie beside them (results/token_counts/{category}.parquet,
+# _all.parquet) are not added twice. Files without it are shard files.
 SCOPES = ("shard", "category", "all")
 ALL_COUNTS = "_all"  # results/token_counts/_all.parquet; category names cannot start with "_"
 # results/dataset/vocab_mapping/: beside the dataset's category folders, with no Parquet in it
@@ -131,15 +126,6 @@ def count_loss_tokens(
     )
 
 
-def _flat(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(values, offsets rebased to 0) of a list array, respecting a slice of it."""
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
-    offsets = column.offsets.to_numpy().astype(np.int64)
-    values = column.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
-    return values.to_numpy(zero_copy_only=False), offsets - offsets[0]
-
-
 def count_dataset(
     path, vocab_size: int, *, max_length: int | None = None, batch_size: int = 8192
 ) -> tuple[np.ndarray, int]:
@@ -148,8 +134,8 @@ def count_dataset(
     rows = 0
     parquet = pq.ParquetFile(path)
     for batch in parquet.iter_batches(batch_size, columns=["input_ids", "loss_mask"]):
-        ids, offsets = _flat(batch.column("input_ids"))
-        mask, mask_offsets = _flat(batch.column("loss_mask"))
+        ids, offsets = contracts.list_arrays(batch.column("input_ids"), dtype=None)
+        mask, mask_offsets = contracts.list_arrays(batch.column("loss_mask"), dtype=None)
         if not np.array_equal(offsets, mask_offsets):
             raise ValueError(f"{path}: input_ids and loss_mask differ in length in some row")
         counts += count_loss_tokens(ids, offsets, mask, vocab_size, max_length=max_length)
@@ -192,15 +178,15 @@ def write_counts(
         schema=TOKEN_COUNTS,
     )
     meta = {
-        META_VOCAB_SIZE: counts.size,
-        META_LOSS_TOKENS: int(counts.sum()),
-        META_SCOPE: scope,
+        contracts.META_VOCAB_SIZE: counts.size,
+        contracts.META_LOSS_TOKENS: int(counts.sum()),
+        contracts.META_COUNTS_SCOPE: scope,
     }
     optional = {
-        META_ROWS: rows,
+        contracts.META_ROWS: rows,
         contracts.META_CATEGORY: category,
         contracts.META_SHARD: shard,
-        META_FILES: files,
+        contracts.META_SUMMED_FILES: files,
     }
     meta.update({k: v for k, v in optional.items() if v is not None})
     contracts.write_table(table, path, TOKEN_COUNTS, COUNTS_STAGE, meta)
@@ -209,9 +195,9 @@ def write_counts(
 def read_counts(path) -> np.ndarray:
     """Dense int64 [vocab_size] counts from a token-counts file."""
     meta = contracts.read_metadata(path)
-    if meta.get(contracts.META_STAGE) != COUNTS_STAGE or META_VOCAB_SIZE not in meta:
+    if meta.get(contracts.META_STAGE) != COUNTS_STAGE or contracts.META_VOCAB_SIZE not in meta:
         raise ValueError(f"{path} is not a tokenmill token-counts file")
-    vocab_size = int(meta[META_VOCAB_SIZE])
+    vocab_size = int(meta[contracts.META_VOCAB_SIZE])
     table = pq.read_table(path, columns=["token_id", "count"])
     ids = table.column("token_id").to_numpy().astype(np.int64)
     values = table.column("count").to_numpy().astype(np.int64)
@@ -229,7 +215,7 @@ def counts_category(path) -> str:
 
 
 def counts_scope(path) -> str:
-    return contracts.read_metadata(path).get(META_SCOPE) or "shard"
+    return contracts.read_metadata(path).get(contracts.META_COUNTS_SCOPE) or "shard"
 
 
 def sum_counts(paths: Iterable, weights: Mapping[str, float] | None = None) -> np.ndarray:
@@ -585,17 +571,15 @@ def sum_files(paths: Sequence, category: str | None = None) -> tuple[np.ndarray,
         others = sorted(str(p) for p in paths if counts_category(p) != category)
         if others or scopes != {"shard"}:
             raise ValueError(f"not shard counts of category {category!r}: {others or paths}")
-    rows = [contracts.read_metadata(p).get(META_ROWS) for p in paths]
+    rows = [contracts.read_metadata(p).get(contracts.META_ROWS) for p in paths]
     total_rows = sum(int(r) for r in rows) if None not in rows else None
     return sum_counts(paths), total_rows
 
 
-def model_vocab_size(model: str, revision: str | None = None, basedir=".") -> int:
+def model_vocab_size(model_name: str, revision: str | None = None, basedir=".") -> int:
     """The target model config's vocab_size (the length of t2d), read where the generate and
-    tokenize stages read it (tokenmill.generate.launch.model_vocab_size); an error says why."""
-    from tokenmill.generate.launch import model_vocab_size as read_vocab_size
-
-    vocab, where = read_vocab_size(model, basedir, revision)
+    tokenize stages read it (tokenmill.model.model_vocab_size); an error says why."""
+    vocab, where = model.model_vocab_size(model_name, basedir, revision)
     if vocab is None:
         raise ValueError(f"generation.model: no vocab_size for the draft vocabulary: {where}")
     return vocab

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import hashlib
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -64,8 +63,7 @@ META_RECORDS_KEPT = "tokenmill.records_kept"
 META_RECORDS_REJECTED = "tokenmill.records_rejected"
 
 
-class ConservationError(RuntimeError):
-    """The counts of a shard do not add up."""
+ConservationError = contracts.ConservationError  # the counts of a shard do not add up
 
 
 @dataclass
@@ -128,30 +126,6 @@ class _RowGroupColumn:
             # rows came from row groups out of order: put them back in batch order
             out = out.take(pa.array(np.argsort(order, kind="stable")))
         return out
-
-
-def list_parts(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets from 0 as int64, values as a numpy array) of a list array, nulls as empty."""
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    if arr.null_count:
-        arr = pc.fill_null(arr, pa.scalar([], type=arr.type))
-    offsets = np.asarray(arr.offsets, dtype=np.int64)
-    values = arr.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
-    return offsets - offsets[0], values
-
-
-def sample_keys(fingerprint: str, offsets: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """keys.sample_key of every row, hashing slices of one little-endian buffer."""
-    buf = memoryview(np.ascontiguousarray(values, dtype="<i4").tobytes())
-    base = hashlib.sha256(fingerprint.encode() + b":")
-    bounds = (offsets * 4).tolist()  # Python ints: numpy scalar indexing is the slow part
-    keys = []
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        h = base.copy()
-        h.update(buf[start:end])
-        keys.append(h.hexdigest()[:32])
-    return np.array(keys, dtype=object)
 
 
 def concat_lists(p_off, p_val, o_off, o_val):
@@ -331,9 +305,9 @@ def merge_shard(
         pending = None
         for b, (gi, ti) in enumerate(zip(batches_g, batches_t, strict=True)):
             p_arr, o_arr = prompts_col.take(ti, b), outputs_col.take(gi, b)
-            p_off, p_val = list_parts(p_arr)
-            o_off, o_val = list_parts(o_arr)
-            expected = sample_keys(generation_fp, p_off, p_val)
+            p_val, p_off = contracts.list_arrays(p_arr)
+            o_val, o_off = contracts.list_arrays(o_arr)
+            expected = np.array(keys.sample_keys(generation_fp, (p_val, p_off)), dtype=object)
             key_ok = expected == gen_key_np[gi]
             reason = validate.validate(
                 rules, p_val, p_off, o_val, o_off, finish_np[gi], key_ok, dup[gi]
@@ -346,8 +320,8 @@ def merge_shard(
                 continue
             if not ok.all():
                 keep = pa.array(ok)
-                p_off, p_val = list_parts(p_arr.filter(keep))
-                o_off, o_val = list_parts(o_arr.filter(keep))
+                p_val, p_off = contracts.list_arrays(p_arr.filter(keep))
+                o_val, o_off = contracts.list_arrays(o_arr.filter(keep))
             if counts_out:
                 token_counts += np.bincount(o_val, minlength=rules.vocab_size)
             table = _dataset_batch(p_off, p_val, o_off, o_val, gi[ok], gen_scalars, category, rules)
@@ -367,14 +341,14 @@ def merge_shard(
         rej_tok_prompts = {
             r["prompt_id"] for r in rejected_rows if r["reason"] != "unknown_prompt_id"
         }
-        accounted = res.kept + len(rej_tok_prompts) + res.generate_rejected
-        if accounted != res.tokenized:
-            raise ConservationError(
-                f"merge {category}/{shard}: counts do not add up: tokenized={res.tokenized} "
-                f"!= dataset={res.kept} + merge_rejected_prompts={len(rej_tok_prompts)} + "
-                f"generate_rejected={res.generate_rejected} (= {accounted}); "
-                f"generated rows={res.generated}"
-            )
+        contracts.check_conservation(
+            f"merge {category}/{shard} (in: tokenized prompts, kept: dataset rows, rejected: "
+            f"merge_rejected_prompts={len(rej_tok_prompts)} + "
+            f"generate_rejected={res.generate_rejected}; generated rows={res.generated})",
+            res.tokenized,
+            res.kept,
+            len(rej_tok_prompts) + res.generate_rejected,
+        )
         writer.add_metadata(
             {
                 META_RECORDS_IN: res.generated + res.not_generated,
@@ -421,9 +395,9 @@ def merge_conversation_shard(
     if generate_rejected and Path(generate_rejected).exists():
         gen_rej = set(_read_scalar(generate_rejected, ["prompt_id"]).column(0).to_pylist())
     res.generate_rejected = len(gen_rej)
-    p_off, p_val = list_parts(gen.column("turn_prompt_ids").combine_chunks())
-    o_off, o_val = list_parts(gen.column("output_ids").combine_chunks())
-    expected = sample_keys(generation_fp, p_off, p_val)
+    p_val, p_off = contracts.list_arrays(gen.column("turn_prompt_ids").combine_chunks())
+    o_val, o_off = contracts.list_arrays(gen.column("output_ids").combine_chunks())
+    expected = np.array(keys.sample_keys(generation_fp, (p_val, p_off)), dtype=object)
     got = gen.column("sample_key").to_numpy(zero_copy_only=False)
     reason = validate.validate(
         rules, p_val, p_off, o_val, o_off, gen.column("finish_type").to_pylist(), expected == got

@@ -285,22 +285,17 @@ class ThinkTokens:
 
     @property
     def start_token(self) -> str | None:
-        ds = self.config.get("dataset") or {}
-        if ds.get("think_start_token"):
-            return ds["think_start_token"]
-        end = self.end_token
-        return "<" + end[2:] if end and end.startswith("</") else None
+        configured = (self.config.get("dataset") or {}).get("think_start_token")
+        return validate.think_start_token(self.end_token, configured)
 
     def get(self) -> tuple[int | None, int | None]:
+        """(think-open id, think-close id) by validate.think_ids, the rule merge uses."""
         if self.ids is None:
-            from tokenmill.tokenization.tokenizer import load_tokenizer, resolve_token_ids
+            from tokenmill.tokenization.tokenizer import load_tokenizer
 
             tok = load_tokenizer(self.config["tokenizer"], self.basedir)
-            start, end = self.start_token, self.end_token
-            self.ids = (
-                resolve_token_ids(tok, [start])[0] if start else None,
-                resolve_token_ids(tok, [end])[0] if end else None,
-            )
+            configured = (self.config.get("dataset") or {}).get("think_start_token")
+            self.ids = validate.think_ids(tok, self.end_token, configured)
         return self.ids
 
 
@@ -315,9 +310,7 @@ def unterminated(table, think: ThinkTokens) -> np.ndarray:
     if not candidates.any():
         return candidates
     start, end = think.get()
-    col = table.column("input_ids").combine_chunks()
-    offsets = np.asarray(col.offsets, dtype=np.int64)
-    values = col.values.to_numpy(zero_copy_only=False)
+    values, offsets = contracts.list_arrays(table.column("input_ids"), dtype=None)
     p_len = table.column("num_prompt_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
     return candidates & validate.unterminated(values, offsets, p_len, start, end)
 

@@ -60,6 +60,39 @@ class Rules:
         object.__setattr__(self, "stop_array", np.asarray(sorted(set(self.stop_ids)), np.int64))
 
 
+def think_start_token(think_end_token: str | None, configured: str | None = None) -> str | None:
+    """The think-open token: dataset.think_start_token, by default think_end_token without "/"
+    (<think> for </think>); None without a think-end token."""
+    if think_end_token is None:
+        return None
+    if configured:
+        return configured
+    return "<" + think_end_token[2:] if think_end_token.startswith("</") else None
+
+
+def think_ids(tokenizer, think_end_token, configured_start: str | None = None):
+    """(think-open id, think-close id): the one think-token rule, used by merge (Rules) and
+    stats alike. Both None without a think-end token. A think-end or an explicitly configured
+    think-start that is not one token of the tokenizer is an error (ValueError naming it); the
+    default think-start (derived from think-end) missing from the tokenizer is None: such a
+    tokenizer opens no thinking block, so no output counts as unterminated reasoning."""
+    from tokenmill.tokenization.tokenizer import resolve_token_ids
+
+    if think_end_token is None:
+        return None, None
+    end_id = resolve_token_ids(tokenizer, [think_end_token])[0]
+    start = think_start_token(think_end_token, configured_start)
+    if start is None:
+        return None, end_id
+    try:
+        start_id = resolve_token_ids(tokenizer, [start])[0]
+    except ValueError:
+        if configured_start:
+            raise
+        start_id = None  # the default <think> for </think>: this tokenizer opens no block
+    return start_id, end_id
+
+
 def rules_from_config(dataset_cfg: dict, generation_cfg: dict, tokenizer) -> Rules:
     """Rules for the `dataset:` section, the generation stop tokens and the loaded tokenizer."""
     from tokenmill.tokenization.tokenizer import resolve_token_ids
@@ -67,16 +100,9 @@ def rules_from_config(dataset_cfg: dict, generation_cfg: dict, tokenizer) -> Rul
     stop = resolve_token_ids(tokenizer, generation_cfg.get("stop_tokens") or [])
     if tokenizer.eos_token_id is not None:
         stop.append(int(tokenizer.eos_token_id))
-    think = dataset_cfg.get("think_end_token")
-    think_id = resolve_token_ids(tokenizer, [think])[0] if think is not None else None
-    start_id = None
-    if think is not None and dataset_cfg.get("think_start_token"):
-        start_id = resolve_token_ids(tokenizer, [dataset_cfg["think_start_token"]])[0]
-    elif think is not None and think.startswith("</"):
-        try:  # the default <think> for </think>; a tokenizer without it opens no block
-            start_id = resolve_token_ids(tokenizer, ["<" + think[2:]])[0]
-        except ValueError:
-            start_id = None
+    start_id, think_id = think_ids(
+        tokenizer, dataset_cfg.get("think_end_token"), dataset_cfg.get("think_start_token")
+    )
     return Rules(
         vocab_size=len(tokenizer),
         stop_ids=tuple(stop),

@@ -71,8 +71,10 @@ ROW_GROUP_TOKENS = 1 << 23
 # Records decoded from JSONL at once (Python lists of ints are ~36 bytes a token).
 DECODE_BATCH = 256
 
-META_RECORDS_IN = "tokenmill.journal_records_in"
-META_DUPLICATES = "tokenmill.journal_duplicates"
+META_RECORDS_IN, META_DUPLICATES = (
+    contracts.META_JOURNAL_RECORDS_IN,
+    contracts.META_JOURNAL_DUPLICATES,
+)
 
 # A compacted file: the record's key, status and prompt_id, the GENERATED columns it carries,
 # the rejection message, and every other field of the record as JSON (nothing is lost).

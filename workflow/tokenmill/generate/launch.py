@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
-import hashlib
 import json
 import logging
 import os
@@ -45,6 +44,13 @@ import aiohttp
 
 from tokenmill.generate import engines
 from tokenmill.generate.engines import EngineAPI
+from tokenmill.model import (
+    hub_cache_dir,
+    hub_id_of,
+    local_dir,
+    model_vocab_size,  # noqa: F401 - generate/stage.py imports it here
+    weights_fingerprint,
+)
 from tokenmill.redaction import redact, redact_argv
 
 DIST_PORT_OFFSET = 1000  # first candidate of the dist_init_addr port: HTTP port + this
@@ -68,8 +74,6 @@ SLURM_KEEP = frozenset(
         "SLURM_CONF",
     }
 )
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-SAMPLE_BYTES = 1 << 16  # read at the middle and the end of each weight file
 
 log = logging.getLogger(__name__)
 
@@ -250,74 +254,6 @@ async def fetch_info(
     return server_info, model_info
 
 
-def _local_dir(name: str | None, basedir: str | Path = ".") -> Path | None:
-    if not name:
-        return None
-    path = Path(basedir) / name  # an absolute name stays absolute
-    return path if path.is_dir() else None
-
-
-def _hub_cache_dir(hub_id: str, revision: str | None) -> Path | None:
-    """The local Hugging Face cache snapshot of a hub model (no download), if any."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    found = try_to_load_from_cache(hub_id, "config.json", revision=revision)
-    return Path(found).parent if isinstance(found, str) else None
-
-
-def hub_id_of(name: str) -> str | None:
-    """`org/name` of a hub id, or of a path inside the Hugging Face cache
-    (.../models--org--name/snapshots/<commit>); None for other paths."""
-    for part in Path(name).parts:
-        if part.startswith("models--"):
-            return "/".join(part[len("models--") :].split("--", 1))
-    if name.count("/") == 1 and not name.startswith((".", "/")) and not Path(name).exists():
-        return name
-    return None
-
-
-def weights_fingerprint(path: Path) -> str | None:
-    """config.json plus, for every weight file, its name, size and 64 KiB read at its middle
-    and its end: two copies of one checkpoint agree, fine-tunes of one base do not (their
-    configs and sizes do). Reads a few MiB even for a terabyte checkpoint. None without a
-    config.json."""
-    try:
-        h = hashlib.sha256((path / "config.json").read_bytes())
-        for f in sorted(p for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
-            size = f.stat().st_size
-            h.update(f"\0{f.name}\0{size}\0".encode())
-            with open(f, "rb") as fh:
-                for offset in (size // 2, max(size - SAMPLE_BYTES, 0)):
-                    fh.seek(offset)
-                    h.update(fh.read(SAMPLE_BYTES))
-    except OSError:
-        return None
-    return h.hexdigest()
-
-
-def model_vocab_size(model: str | None, basedir: str | Path = ".", revision: str | None = None):
-    """(vocab_size, where it was read) from the model's config.json when it is on this machine
-    (a local directory, or a hub id in the local Hugging Face cache); (None, why) otherwise."""
-    if not model:
-        return None, "no generation.model"
-    local = _local_dir(model, basedir)
-    hub = hub_id_of(model) if local is None else None
-    where = local or (_hub_cache_dir(hub, revision) if hub else None)
-    if where is None:
-        return None, f"{model!r} is not a local directory nor in the Hugging Face cache"
-    try:
-        cfg = json.loads((where / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        return None, f"cannot read {where / 'config.json'}: {exc}"
-    # Multimodal configs keep the language model's vocabulary in text_config.
-    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
-    if not isinstance(vocab, int):
-        return None, f"{where / 'config.json'} has no vocab_size"
-    return vocab, str(where / "config.json")
-
-
 def served_names(model_info: dict, server_info: dict | None = None) -> list[str]:
     """What the server says it serves: its model path and served name (/model_info, and
     /server_info's arguments: 0.5.16 has no served_model_name in /model_info)."""
@@ -358,14 +294,14 @@ def check_model(
         raise EngineError(f"{sides}, and generation.server_model is {stated!r}: they differ")
     if want in names:
         return f"the server reports {want!r}"
-    local = _local_dir(want, basedir)
+    local = local_dir(want, basedir)
     want_hub = hub_id_of(str(local.resolve())) if local else hub_id_of(want)
     if local is None and want_hub:
-        local = _hub_cache_dir(want_hub, revision)
+        local = hub_cache_dir(want_hub, revision)
     refused = []
     for name in names:
         hub = hub_id_of(name)
-        theirs = _local_dir(name, basedir) or (_hub_cache_dir(hub, served_rev) if hub else None)
+        theirs = local_dir(name, basedir) or (hub_cache_dir(hub, served_rev) if hub else None)
         if local is not None and theirs is not None:
             if os.path.realpath(local) == os.path.realpath(theirs):
                 return f"{name!r} is the directory of generation.model"

@@ -58,7 +58,6 @@ import sys
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 
 from tokenmill import contracts, keys
@@ -224,9 +223,7 @@ def list_outputs(results: Path, config: dict, out_path: Path | None = None) -> l
 def sample_digests(path) -> dict[str, str]:
     """{prompt_id: sha256(output_ids)[:16]} of a generated shard."""
     t = pq.read_table(path, columns=["prompt_id", "output_ids"])
-    col = t.column("output_ids").combine_chunks()
-    off = np.asarray(col.offsets, dtype=np.int64)
-    vals = col.values.to_numpy(zero_copy_only=False).astype("<i4")
+    vals, off = contracts.list_arrays(t.column("output_ids"))
     pids = t.column("prompt_id").to_pylist()
     return {
         pid: hashlib.sha256(vals[off[i] : off[i + 1]].tobytes()).hexdigest()[:16]
@@ -317,7 +314,7 @@ def build(results_dir, config: dict, configfiles=(), basedir=".", out_path=None)
         "outputs": outputs,
         "draft_vocab": _draft_vocab(results),
         "token_counts": {
-            e["path"]: int(contracts.read_metadata(results / e["path"])[dv.META_LOSS_TOKENS])
+            e["path"]: int(contracts.read_metadata(results / e["path"])[contracts.META_LOSS_TOKENS])
             for e in outputs
             if e["path"].startswith(f"{dv.COUNTS_DIR}/") and e["path"].endswith(".parquet")
         },

@@ -65,6 +65,13 @@ import pyarrow.parquet as pq
 
 from tokenmill import contracts
 from tokenmill.cli import json_arg
+from tokenmill.contracts import (  # the shard metadata keys (generate/stage.py reads them here)
+    META_MAX_PROMPT_TOKENS,
+    META_NUM_SHARDS,
+    META_PROMPT_TOKENS,
+    META_STOP_TOKEN_IDS,
+    META_STOP_TOKENS,
+)
 from tokenmill.tokenization import shards
 
 STAGE = "tokenize"
@@ -74,17 +81,6 @@ CHUNK_ROWS = 1024
 ROW_GROUP_TOKENS = 1 << 20
 REJECTED_GROUP_ROWS = 1024
 DETAIL_MAX_CHARS = 500
-
-META_RECORDS_IN = "tokenmill.records_in"
-META_KEPT = "tokenmill.kept"
-META_REJECTED = "tokenmill.rejected"
-META_NUM_SHARDS = "tokenmill.num_shards"
-META_MAX_PROMPT_TOKENS = "tokenmill.max_prompt_tokens"
-META_PROMPT_TOKENS = "tokenmill.prompt_tokens"
-# generation.stop_tokens as configured (JSON) and resolved to ids with this tokenizer (JSON), so
-# that the generate job needs no tokenizer (and imports neither transformers nor torch).
-META_STOP_TOKENS = "tokenmill.stop_tokens"
-META_STOP_TOKEN_IDS = "tokenmill.stop_token_ids"
 
 INVALID_RECORD = "invalid_record"
 TEMPLATE_ERROR = "template_error"
@@ -508,9 +504,9 @@ def tokenize_category(
             meta.update(
                 {
                     contracts.META_SHARD: shards.shard_name(i),
-                    META_RECORDS_IN: str(spill.records_in),
-                    META_KEPT: str(spill.kept),
-                    META_REJECTED: str(spill.rejected),
+                    contracts.META_RECORDS_IN: str(spill.records_in),
+                    contracts.META_KEPT: str(spill.kept),
+                    contracts.META_REJECTED: str(spill.rejected),
                     META_PROMPT_TOKENS: str(spill.tokens),
                 }
             )
@@ -734,9 +730,9 @@ def _tokenize_conversations(
         meta.update(
             {
                 contracts.META_SHARD: shards.shard_name(i),
-                META_RECORDS_IN: str(counts[i]["records_in"]),
-                META_KEPT: str(counts[i]["kept"]),
-                META_REJECTED: str(counts[i]["rejected"]),
+                contracts.META_RECORDS_IN: str(counts[i]["records_in"]),
+                contracts.META_KEPT: str(counts[i]["kept"]),
+                contracts.META_REJECTED: str(counts[i]["rejected"]),
                 META_PROMPT_TOKENS: str(counts[i]["tokens"]),
             }
         )
@@ -832,7 +828,7 @@ def main(argv: list[str]) -> int:
         tokenizer = load_tokenizer(tok_cfg, args.basedir)
         model_vocab: tuple[int | None, str] = (None, "")
         if args.model:
-            from tokenmill.generate.launch import model_vocab_size
+            from tokenmill.model import model_vocab_size
 
             model_vocab = model_vocab_size(args.model, args.basedir, args.model_revision or None)
             if model_vocab[0] is None:
