@@ -54,7 +54,8 @@ from tokenmill.generate.client import (
     RejectionGuard,
     Stats,
 )
-from tokenmill.generate.launch import ExternalEngines, ManagedEngine, model_vocab_size
+from tokenmill.generate.launch import ExternalEngines, ManagedEngine
+from tokenmill.model import model_vocab_size
 from tokenmill.redaction import redact
 from tokenmill.settings import (
     CategorySettings,
@@ -414,9 +415,8 @@ class OutputFrame:
 def rejected_row(job: Job, reason: str, detail, prompt_id: str, record: dict) -> dict:
     """A generate rejected row (contracts.rejected_row) of this job's category."""
     return contracts.rejected_row(
-        "generate", job.args.category, reason, detail=detail, prompt_id=prompt_id,
-        record=contracts.canonical_json(record),
-    )  # fmt: skip
+        "generate", job.args.category, reason, detail=detail, prompt_id=prompt_id, record=record
+    )
 
 
 def commit_compaction(compaction: journal.Compaction | None, num_shards) -> dict | None:
