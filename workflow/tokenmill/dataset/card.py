@@ -148,8 +148,7 @@ def render(results_dir, config: dict, summary: dict | None) -> str:
             f"{_known(g.get('output_tokens_per_s'))} output tokens/s, "
             f"{_known(g.get('gpu_hours'))} GPU-hours, prefix-cache hit rate "
             f"{_known(c.get('hit_rate'))} (unknown: not reported by the engine, or not the "
-            "run's own GPUs; GPU-hours are each job's time x the GPUs its meta says it held, "
-            "unknown for jobs that did not record them).",
+            "run's own GPUs).",
         ]
     return "\n".join(lines) + "\n"
 
