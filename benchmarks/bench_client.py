@@ -37,7 +37,7 @@ def _items(n: int) -> list[Item]:
 
 
 def run(url: str, n: int, concurrency: int, jdir: str) -> tuple[float, float]:
-    opts = ClientOptions(
+    opts = ClientOptions.with_defaults(
         sampling={"max_new_tokens": 64, "temperature": 0.0},
         stop_token_ids=[2],
         concurrency=concurrency,

@@ -35,7 +35,7 @@ STOP = 2
 
 
 def _opts() -> ClientOptions:
-    return ClientOptions(
+    return ClientOptions.with_defaults(
         sampling={"max_new_tokens": 64, "temperature": 0.0}, stop_token_ids=[STOP],
         concurrency=CONCURRENCY, request_timeout_s=60, max_attempts=3,
         backoff_initial_s=0.1, backoff_max_s=1, progress_interval_s=3600,

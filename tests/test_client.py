@@ -79,7 +79,7 @@ def _opts(**kw):
         progress_interval_s=60,
     )
     base.update(kw)
-    return ClientOptions(**base)
+    return ClientOptions.with_defaults(**base)
 
 
 def _items(n, first=5):

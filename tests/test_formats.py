@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.config import load_hook
 from tokenmill.prepare import formats
 from tokenmill.prepare.formats import (
     RecordError,
@@ -19,6 +18,7 @@ from tokenmill.prepare.formats import (
     to_conversation,
     to_prompts,
 )
+from tokenmill.prepare.hooks import load_hook
 
 U = {"role": "user", "content": "hi"}
 

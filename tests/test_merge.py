@@ -434,3 +434,19 @@ def test_batch_sample_keys_match_keys_module():
     assert keys.sample_keys(FP, column) == want
     assert keys.sample_keys(FP, pa.chunked_array([column.slice(0, 2), column.slice(2)])) == want
     assert keys.sample_keys(FP, column.slice(1, 2)) == want[1:3]  # a slice: offsets rebased
+
+
+def test_stage_commands_name_the_key_of_a_bad_config(tmp_path, capsys):
+    """merge and draft-vocab from-config validate the sections they are given (settings):
+    a wrong value fails before any file is read, naming the key."""
+    from tokenmill.dataset import draft_vocab
+
+    bad = json.dumps(dict(DS_CFG, max_sequence_tokens="long"))
+    common = ["--generation-config", json.dumps(GEN_CFG), "--tokenizer-config", "{}"]
+    argv = ["--category", "c", "--shard", "000", "--tokenized", "t", "--generated", "g"]
+    argv += ["--out", "o", "--rejected", "r", "--dataset-config", bad, *common]
+    assert merge.main(argv) == 1
+    assert "dataset.max_sequence_tokens" in capsys.readouterr().err
+    argv = ["--counts", str(tmp_path), "--out-dir", str(tmp_path), "--dataset-config", bad]
+    assert draft_vocab.main(["from-config", *argv, *common]) == 1
+    assert "dataset.max_sequence_tokens" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from tokenmill.contracts import PROMPTS, REJECTED, read_metadata
 from tokenmill.prepare import formats
 from tokenmill.prepare import stage as prep
 from tokenmill.prepare.sources import SourceError, iter_source
+from tokenmill.settings import load_section
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -280,7 +281,7 @@ def test_streaming_output_is_byte_identical_to_whole_tables(
            "max_prompts": max_prompts, "sample_seed": 5}  # fmt: skip
     rc, out, rej = run_cli(tmp_path, cat)
     assert rc == 0
-    prompts, rejected = reference_prepare("cat", prep.with_defaults(cat), tmp_path)
+    prompts, rejected = reference_prepare("cat", load_section(cat, "categories.cat").raw, tmp_path)
     assert prompts.num_rows > 2 * contracts.ROW_GROUP_SIZE or max_prompts
     meta = read_metadata(out)
     extra = {

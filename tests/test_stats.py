@@ -350,7 +350,11 @@ def test_unknown_is_null_never_a_made_up_number(tmp_path):
     _held(r, "chat", "000", 4, nodes=2)
     _held(r, "chat", "001", 4, nodes=2)
     _held(r, "code", "000", 1, nodes=2)
-    config["categories"] = {"chat": {}, "code": {"resources": {"gpus": 5}}}
+    cats = CONFIG["categories"]  # today's resources differ: not read
+    config["categories"] = {
+        "chat": cats["chat"],
+        "code": {**cats["code"], "resources": {"gpus": 5}},
+    }
     s = _stats(r, config, tmp_path)
     chat, code = (s["categories"][c]["generation"] for c in ("chat", "code"))
     assert (chat["gpus"], code["gpus"]) == (8, 2)
@@ -472,7 +476,7 @@ def test_think_rule_is_one_for_merge_and_stats(tmp_path):
     tokenizer = load_tokenizer(tok_cfg)
     ds = {"think_end_token": "</think>"}
     merge_rules = validate.rules_from_config(ds, GEN_CFG, tokenizer)
-    stats_ids = stats.ThinkTokens({"tokenizer": tok_cfg, "dataset": ds}).get()
+    stats_ids = stats.ThinkTokens(ds, tok_cfg).get()
     assert stats_ids == (merge_rules.think_start_id, merge_rules.think_end_id) == (None, 3)
     ids = np.array([4, 5, 3, 4], np.int32)  # prompt w0 w1, output </think> w0: nothing open
     assert not validate.unterminated(ids, np.array([0, 4]), np.array([2]), *stats_ids).any()
@@ -481,4 +485,14 @@ def test_think_rule_is_one_for_merge_and_stats(tmp_path):
     with pytest.raises(ValueError, match="<think>"):
         validate.rules_from_config(ds, GEN_CFG, tokenizer)
     with pytest.raises(ValueError, match="<think>"):
-        stats.ThinkTokens({"tokenizer": tok_cfg, "dataset": ds}).get()
+        stats.ThinkTokens(ds, tok_cfg).get()
+
+
+def test_stats_and_card_name_the_key_of_a_partial_config(tmp_path, capsys):
+    """A stage command given a partial config by hand fails naming the missing key."""
+    partial = json.dumps({"tokenizer": {"path": "tok"}, "categories": {"chat": {"shards": 1}}})
+    argv = ["--results-dir", str(tmp_path), "--config-json", partial]
+    assert stats.main([*argv, "--out-dir", str(tmp_path / "stats")]) == 1
+    assert "categories.chat" in capsys.readouterr().err
+    assert card.main([*argv, "--out", str(tmp_path / "README.md")]) == 1
+    assert "categories.chat" in capsys.readouterr().err

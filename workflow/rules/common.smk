@@ -14,7 +14,7 @@ from tokenmill.config import (
 )
 from tokenmill.generate import preemption
 from tokenmill.generate.resources import job_resources
-from tokenmill.keys import generation_fingerprint
+from tokenmill.settings import Settings
 from tokenmill.tokenization.shards import shard_names
 
 # A bad config fails here, before any job starts, with the offending key named: one validation
@@ -23,6 +23,9 @@ try:
     check_config(config, basedir=".")
 except ConfigError as exc:
     raise WorkflowError(str(exc)) from None
+# The typed, read-only settings of that validated config (tokenmill/settings.py): the helpers
+# below read these; `config` itself stays the validated dict Snakemake holds.
+SETTINGS = Settings.from_validated(config)
 
 # Operational settings (concurrency, retries, timeouts, resources, engine start-up limits,
 # external URLs, the journal's location) change how a job runs, never its tokens, so changing
@@ -30,7 +33,7 @@ except ConfigError as exc:
 # rules take these settings from the environment instead: every job, local or on SLURM, runs
 # after this file was parsed with the same config, and its shell inherits the variables.
 # The rules' params carry only what shapes the outputs (fingerprints, token-relevant keys).
-os.environ.update(job_environment(config, workflow.configfiles))
+os.environ.update(job_environment(SETTINGS, workflow.configfiles))
 
 # Snakemake's own "Directory cannot be locked" error after a killed controller is easy to miss
 # and does not say how to unlock with this run's profile and config: say it first.
@@ -39,18 +42,18 @@ if not (workflow.remote_exec or workflow.subprocess_exec):
     if _lock_hint:
         print(_lock_hint, file=sys.stderr)
 
-RESULTS = config["results_dir"]
-CATEGORIES = sorted(config["categories"])
-TOKENIZER_FINGERPRINT = support.tokenizer_params_fingerprint(config["tokenizer"], ".")
-GENERATION_FINGERPRINT = generation_fingerprint(config["generation"])
-if config["reproduce"]:
+RESULTS = SETTINGS.results_dir
+CATEGORIES = sorted(SETTINGS.categories)
+TOKENIZER_FINGERPRINT = support.tokenizer_params_fingerprint(SETTINGS.tokenizer, ".")
+GENERATION_FINGERPRINT = SETTINGS.generation.fingerprint
+if SETTINGS.reproduce:
     from tokenmill.provenance.reproduce import load_manifest, reproduce_problems
 
     # Refuse to start a reproduction that cannot match: say what differs.
-    _problems = reproduce_problems(load_manifest(config["reproduce"]), config, ".")
+    _problems = reproduce_problems(load_manifest(SETTINGS.reproduce), SETTINGS, ".")
     if _problems:
         raise WorkflowError(
-            f"cannot reproduce {config['reproduce']}:\n  " + "\n  ".join(_problems)
+            f"cannot reproduce {SETTINGS.reproduce}:\n  " + "\n  ".join(_problems)
         )
 # Histograms written by `tokenmill stats` (stats/length_{metric}_tokens.png).
 LENGTH_METRICS = ["prompt", "output", "reasoning", "answer", "total"]
@@ -67,12 +70,12 @@ def res(path):
 
 
 def shards_of(category):
-    return shard_names(config["categories"][category]["shards"])
+    return shard_names(SETTINGS.categories[category].shards)
 
 
 def category_source_files(wildcards):
     """Local source files of a category (hub sources have no local file to watch)."""
-    return support.local_source_files(config["categories"][wildcards.category], ".")
+    return support.local_source_files(SETTINGS.categories[wildcards.category], ".")
 
 
 def without_resources(section):
@@ -81,38 +84,38 @@ def without_resources(section):
 
 
 def category_json(wildcards):
-    category = config["categories"][wildcards.category]
+    category = SETTINGS.categories[wildcards.category].raw
     return json.dumps(without_resources(category), sort_keys=True)
 
 
 def category_shard_count(wildcards):
-    return config["categories"][wildcards.category]["shards"]
+    return SETTINGS.categories[wildcards.category].shards
 
 
 def tokenizer_json(wildcards=None):
-    return json.dumps(config["tokenizer"], sort_keys=True)
+    return json.dumps(SETTINGS.tokenizer.raw, sort_keys=True)
 
 
 def dataset_json(wildcards=None):
-    return json.dumps(config["dataset"], sort_keys=True)
+    return json.dumps(SETTINGS.dataset.raw, sort_keys=True)
 
 
 def merge_dataset_json(wildcards=None):
     """The dataset section as merge reads it (export_jsonl is the export rule's business)."""
-    return json.dumps(merge_dataset_config(config["dataset"]), sort_keys=True)
+    return json.dumps(merge_dataset_config(SETTINGS.dataset.raw), sort_keys=True)
 
 
 def stop_tokens_json(wildcards=None):
-    return json.dumps(config["generation"]["stop_tokens"])
+    return json.dumps(SETTINGS.generation.raw["stop_tokens"])
 
 
 def think_end_token(wildcards):
     """dataset.think_end_token for a context: regenerated category (it splits the model's
     answers into reasoning and answer there); empty for others, which do not depend on it.
     """
-    if config["categories"][wildcards.category].get("context") != "regenerated":
+    if not SETTINGS.categories[wildcards.category].regenerated:
         return ""
-    return config["dataset"].get("think_end_token") or ""
+    return SETTINGS.dataset.think_end_token or ""
 
 
 def tokenized_shard(wildcards):
@@ -133,7 +136,7 @@ def generate_resource(name):
     """One SLURM resource of a generate job, per category and attempt (unset: None)."""
 
     def value(wildcards, attempt):
-        return job_resources(config, wildcards.category, attempt)[name]
+        return job_resources(SETTINGS, wildcards.category, attempt)[name]
 
     return value
 
@@ -162,7 +165,7 @@ def draft_vocab_files():
     """The trainers' files of the draft vocabulary, by dataset.draft_vocab_formats."""
     from tokenmill.dataset import draft_vocab as dv
 
-    formats = config["dataset"]["draft_vocab_formats"]
+    formats = SETTINGS.dataset.draft_vocab_formats
     return [
         res(f"dataset/{dv.MAPPING_DIR}/{n}")
         for f in formats
@@ -172,7 +175,7 @@ def draft_vocab_files():
 
 def draft_vocab_summary():
     """[vocab_mapping.json] when dataset.draft_vocab_size is set, else []."""
-    if config["dataset"]["draft_vocab_size"] is None:
+    if SETTINGS.dataset.draft_vocab_size is None:
         return []
     return [res("dataset/vocab_mapping/vocab_mapping.json")]
 
@@ -181,16 +184,16 @@ def final_outputs():
     outputs = all_shard_files("dataset/{category}/{shard}.parquet")
     outputs += all_shard_files("token_counts/{category}/{shard}.parquet")
     outputs += category_counts_sums() + [res("token_counts/_all.parquet")]
-    if config["dataset"]["draft_vocab_size"] is not None:
+    if SETTINGS.dataset.draft_vocab_size is not None:
         outputs += draft_vocab_summary() + draft_vocab_files()
-    if config["dataset"]["export_jsonl"]:
+    if SETTINGS.dataset.export_jsonl:
         outputs += all_shard_files("export/{category}/{shard}.jsonl")
     outputs += [
         res("stats/summary.json"),
         res("dataset/README.md"),
         res("provenance.json"),
     ]
-    if config["reproduce"]:
+    if SETTINGS.reproduce:
         outputs.append(res("reproduce/report.json"))
     return outputs
 
@@ -202,7 +205,7 @@ def generate_log_dir(wildcards):
 
 def outputs_config_json(wildcards=None):
     """The config without its operational settings: what stats, card and provenance rerun on."""
-    return json.dumps(outputs_config(config), sort_keys=True)
+    return json.dumps(outputs_config(SETTINGS), sort_keys=True)
 
 
 def final_outputs_except_provenance(wildcards=None):

@@ -167,7 +167,7 @@ rule compare_with_manifest:
     log:
         res("logs/reproduce.log"),
     params:
-        manifest=config["reproduce"] or "",
+        manifest=SETTINGS.reproduce or "",
         results=results_dir,
     shell:
         "tokenmill provenance --compare {params.manifest:q} --results-dir {params.results:q}"

@@ -16,10 +16,10 @@ checkpoint tokenize_prompts:
         tokenizer=tokenizer_json,
         tokenizer_fingerprint=TOKENIZER_FINGERPRINT,
         shards=category_shard_count,
-        max_prompt_tokens=config["max_prompt_tokens"],
+        max_prompt_tokens=SETTINGS.max_prompt_tokens,
         # Prompt ids are range-checked against this model's vocab_size (its config.json).
-        model=config["generation"].get("model", ""),
-        model_revision=config["generation"].get("revision") or "",
+        model=SETTINGS.generation.model or "",
+        model_revision=SETTINGS.generation.revision or "",
         # Resolved to ids here, where the tokenizer is loaded: the GPU job needs no tokenizer.
         stop_tokens=stop_tokens_json,
         think_end_token=think_end_token,

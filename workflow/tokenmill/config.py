@@ -1,23 +1,28 @@
-"""Configuration: schema validation with defaults, then checks the schema cannot express.
+"""Configuration checks the schema cannot express, and `tokenmill check-config`.
 
-Used by the Snakefile (so a bad config fails before any job starts) and by every CLI stage
-(which receives the resolved config as a JSON file). Errors name the key and what was expected.
+Schema validation with defaults and the typed settings live in tokenmill/settings.py (the
+schema is the only place a default lives). This module is a top-layer module, like cli.py and
+workflow_support.py: it may import stages (source expansion, hooks, engines, resources) to
+check that a config can run. Used by the Snakefile, so a bad config fails before any job
+starts; errors name the key and what was expected.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 from pathlib import Path
 
+from tokenmill.prepare.hooks import load_hook
 from tokenmill.prepare.sources import SourceError, expand_paths
-from tokenmill.settings import (  # noqa: F401 - re-exported: the Snakefile and tests use them
+from tokenmill.settings import (  # noqa: F401 - re-exported for the Snakefile and tests
     SCHEMA_PATH,
     ConfigError,
+    Settings,
+    as_settings,
     load_config_file,
     load_schema,
-    normalize_source,
+    thaw,
     validate_schema,
 )
 
@@ -27,97 +32,82 @@ def _is_hub_id(path: str) -> bool:
     return path.count("/") == 1 and not path.startswith((".", "/")) and not Path(path).exists()
 
 
-def check_semantics(config: dict, basedir: str | Path = ".") -> None:
+def check_semantics(config: Settings | dict, basedir: str | Path = ".") -> None:
     """Checks beyond the schema: files exist, hooks import, formats have what they need."""
+    s = config if isinstance(config, Settings) else Settings.from_validated(config)
     base = Path(basedir)
     problems: list[str] = []
-    tok = config["tokenizer"]
-    tok_path = tok["path"]
-    if not (base / tok_path).exists() and not _is_hub_id(tok_path):
+    tok = s.tokenizer
+    if not (base / tok.path).exists() and not _is_hub_id(tok.path):
         problems.append(
-            f"config key 'tokenizer.path': '{tok_path}' is neither an existing directory "
+            f"config key 'tokenizer.path': '{tok.path}' is neither an existing directory "
             "nor a Hugging Face hub id (org/name)"
         )
-    if tok.get("chat_template") and not (base / tok["chat_template"]).is_file():
+    if tok.chat_template and not (base / tok.chat_template).is_file():
         problems.append(
-            f"config key 'tokenizer.chat_template': file '{tok['chat_template']}' does not exist"
+            f"config key 'tokenizer.chat_template': file '{tok.chat_template}' does not exist"
         )
-    for name, cat in config["categories"].items():
-        for i, src in enumerate(cat["sources"]):
-            spec = normalize_source(src, cat)
+    for name, cat in s.categories.items():
+        specs = cat.source_specs()
+        for i, spec in enumerate(specs):
             key = f"categories.{name}.sources.{i}"
             if "path" in spec:
                 try:
                     expand_paths(spec["path"], base)  # what prepare will read
                 except SourceError:
                     problems.append(f"config key '{key}': no file matches '{spec['path']}'")
-        fmt_formats = {normalize_source(s, cat)["format"] for s in cat["sources"]}
+        fmt_formats = {spec["format"] for spec in specs}
         if "instruction" in fmt_formats:
             from tokenmill.prepare.formats import ColumnClash, instruction_columns
 
             try:
-                instruction_columns(cat.get("format_options"))
+                instruction_columns(thaw(cat.format_options))
             except ColumnClash as exc:
                 problems.append(f"config key 'categories.{name}.format_options.{exc.role}': {exc}")
         if "hook" in fmt_formats:
-            hook = cat.get("hook")
-            if not hook:
+            if not cat.hook:
                 problems.append(
                     f"config key 'categories.{name}.hook': format 'hook' needs "
                     "hook: 'module:function'"
                 )
             else:
                 try:
-                    load_hook(hook, base)
+                    load_hook(cat.hook, base)
                 except Exception as exc:  # noqa: BLE001 - reported with the key
                     problems.append(f"config key 'categories.{name}.hook': {exc}")
-    ds = config.get("dataset", {})
-    for cat in sorted(set(ds.get("draft_vocab_weights") or {}) - set(config["categories"])):
+    ds = s.dataset
+    for cat in sorted(set(ds.draft_vocab_weights) - set(s.categories)):
         problems.append(
             f"config key 'dataset.draft_vocab_weights.{cat}': {cat!r} is not a category"
         )
-    size, target = ds.get("draft_vocab_size"), ds.get("draft_vocab_target_size")
+    size, target = ds.draft_vocab_size, ds.draft_vocab_target_size
     if size is not None and target is not None and size > target:
         problems.append(
             f"config key 'dataset.draft_vocab_size': {size} is larger than "
             f"dataset.draft_vocab_target_size {target}"
         )
-    gen = config.get("generation", {})
-    if gen:
-        if "model" not in gen:
-            problems.append("config key 'generation.model': required (the model to serve)")
-        if gen.get("mode") == "managed" and not gen.get("launch", {}).get("command"):
-            problems.append("config key 'generation.launch.command': required in managed mode")
-        if gen.get("mode") == "external" and not gen.get("external", {}).get("urls"):
-            problems.append("config key 'generation.external.urls': required in external mode")
-        from tokenmill.generate import engines
+    gen = s.generation
+    if gen.model is None:
+        problems.append("config key 'generation.model': required (the model to serve)")
+    if gen.managed and not gen.launch.command:
+        problems.append("config key 'generation.launch.command': required in managed mode")
+    if gen.mode == "external" and not gen.external.urls:
+        problems.append("config key 'generation.external.urls': required in external mode")
+    from tokenmill.generate import engines
 
-        try:
-            engines.validate(gen)
-        except ValueError as exc:
-            problems.append(f"config key 'generation.sampling': {exc}")
-        try:
-            engines.validate_launch(gen)
-        except ValueError as exc:
-            problems.append(f"config key 'generation.seed_policy': {exc}")
-        from tokenmill.generate import resources
+    try:
+        engines.validate(gen)
+    except ValueError as exc:
+        problems.append(f"config key 'generation.sampling': {exc}")
+    try:
+        engines.validate_launch(gen)
+    except ValueError as exc:
+        problems.append(f"config key 'generation.seed_policy': {exc}")
+    from tokenmill.generate import resources
 
-        problems += resources.problems(config)
+    problems += resources.problems(s)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
-
-
-def load_hook(spec: str, basedir: str | Path = "."):
-    """Import a user hook `module:function`; modules next to the workflow are importable."""
-    root = str(Path(basedir).resolve())
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    module_name, _, func_name = spec.partition(":")
-    module = importlib.import_module(module_name)
-    func = getattr(module, func_name, None)
-    if not callable(func):
-        raise ConfigError(f"'{spec}': module '{module_name}' has no function '{func_name}'")
-    return func
 
 
 # What a job needs but must not rerun on: the rules read these variables in their shell
@@ -131,27 +121,27 @@ ENV_CONFIGFILES = "TOKENMILL_CONFIGFILES_JSON"  # the --configfile paths, a JSON
 OPERATIONAL_TOP_KEYS = ("journal_dir",)
 
 
-def job_environment(config: dict, configfiles=()) -> dict[str, str]:
-    """The environment variables that hand jobs their operational settings."""
+def job_environment(config: Settings | dict, configfiles=()) -> dict[str, str]:
+    """The environment variables that hand jobs their operational settings (the validated
+    config as JSON: each job's command loads its section with settings.load_section)."""
+    config = as_settings(config)
     return {
-        ENV_CONFIG: json.dumps(config, sort_keys=True),
-        ENV_GENERATION: json.dumps(config.get("generation", {}), sort_keys=True),
-        ENV_JOURNAL_DIR: str(config.get("journal_dir", "journal")),
+        ENV_CONFIG: json.dumps(config.raw, sort_keys=True),
+        ENV_GENERATION: json.dumps(config.generation.raw, sort_keys=True),
+        ENV_JOURNAL_DIR: config.journal_dir,
         ENV_CONFIGFILES: json.dumps([str(f) for f in configfiles]),
     }
 
 
-def outputs_config(config: dict) -> dict:
+def outputs_config(config: Settings | dict) -> dict:
     """The config as far as it shapes outputs: the rerun trigger of the rules that read the
     whole config (stats, card, provenance). Generation counts only through its fingerprint
     (model, revision, engine, sampling, stop tokens, seed policy, output-relevant launch
     flags): concurrency, retries, timeouts, resources, start-up limits, URLs and the like do
     not change a token, and neither does where the journal lives."""
-    from tokenmill.keys import generation_fingerprint
-
-    view = {k: v for k, v in config.items() if k not in OPERATIONAL_TOP_KEYS}
-    if "generation" in view:
-        view["generation"] = {"fingerprint": generation_fingerprint(view["generation"])}
+    config = as_settings(config)
+    view = {k: v for k, v in config.raw.items() if k not in OPERATIONAL_TOP_KEYS}
+    view["generation"] = {"fingerprint": config.generation.fingerprint}
     return view
 
 
@@ -164,9 +154,10 @@ def merge_dataset_config(dataset: dict) -> dict:
 
 
 def check_config(config: dict, basedir: str | Path = ".") -> dict:
-    """Full check (schema + semantics). Returns the config with defaults filled in."""
+    """Full check (schema + semantics). Fills the defaults into `config` (in place: the
+    Snakefile's config object) and returns it."""
     validate_schema(config)
-    check_semantics(config, basedir)
+    check_semantics(Settings.from_validated(config), basedir)
     return config
 
 

@@ -66,6 +66,7 @@ META_TURNS_KEPT = "tokenmill.turns_kept"
 META_TURNS_REJECTED = "tokenmill.turns_rejected"
 META_CONVERSATION_SAMPLES = "tokenmill.conversation_samples"
 META_TURN_SAMPLES = "tokenmill.turn_samples"
+TURN_COUNT_KEYS = (META_TURNS_IN, META_TURNS_KEPT, META_TURNS_REJECTED)
 
 # token counts and the draft vocabulary (dataset/draft_vocab.py)
 META_VOCAB_SIZE = "tokenmill.vocab_size"
@@ -116,6 +117,7 @@ TOKENIZED_CONVERSATIONS = pa.schema(
     ]
 )
 META_CONTEXT = "tokenmill.context"
+CONTEXT_REGENERATED = "regenerated"  # the value of META_CONTEXT for conversation categories
 META_PREFIX_EXACT = "tokenmill.prefix_exact_template"
 META_THINK_END_ID = "tokenmill.think_end_id"
 
@@ -225,6 +227,11 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
     the writer opened plus those it added at close (ParquetWriter.add_metadata)."""
     meta = pq.read_metadata(path).metadata or {}
     return {k.decode(): v.decode() for k, v in meta.items() if k.startswith(b"tokenmill.")}
+
+
+def is_regenerated(path: str | os.PathLike) -> bool:
+    """Whether a file belongs to a `context: regenerated` (multi-turn) category."""
+    return read_metadata(path).get(META_CONTEXT) == CONTEXT_REGENERATED
 
 
 def atomic_path(path: str | os.PathLike):

@@ -61,13 +61,14 @@ def _with_defaults(validator_class):
 
 
 @functools.lru_cache(maxsize=1)
-def _schema_text() -> str:
-    return SCHEMA_PATH.read_text(encoding="utf-8")
+def _schema() -> dict:
+    with open(SCHEMA_PATH, encoding="utf-8") as f:
+        return yaml.safe_load(f)
 
 
 def load_schema() -> dict:
     """The config's JSON schema (a fresh copy: callers may modify it)."""
-    return yaml.safe_load(_schema_text())
+    return copy.deepcopy(_schema())
 
 
 def _describe(error: jsonschema.ValidationError, prefix: tuple = ()) -> str:
@@ -94,12 +95,15 @@ def _validate(instance, schema: dict, prefix: tuple = ()):
 
 def validate_schema(config: dict) -> dict:
     """Validate against the JSON schema and fill in defaults (in place). Raises ConfigError."""
-    return _validate(config, load_schema())
+    return _validate(config, _schema())
 
 
 def section_schema(section: str) -> dict:
-    """The part of the schema that describes one top-level key (with the shared $defs)."""
-    schema = load_schema()
+    """The part of the schema that describes one top-level key, or one category for
+    "categories.NAME" (with the shared $defs)."""
+    schema = _schema()
+    if section.startswith("categories."):
+        return {**schema["$defs"]["category"], "$defs": schema["$defs"]}
     if section not in schema["properties"]:
         raise ConfigError(f"no config section '{section}' (known: {', '.join(SECTIONS)})")
     return {**schema["properties"][section], "$defs": schema["$defs"]}
@@ -111,7 +115,7 @@ def validate_section(value, section: str) -> Any:
     schema = section_schema(section)
     if value is None and "default" in schema:
         value = json.loads(json.dumps(schema["default"]))
-    return _validate(value, schema, (section,))
+    return _validate(value, schema, tuple(section.split(".", 1)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,7 +140,8 @@ def load_section(value: str | Mapping, section: str | None):
     """A stage command's settings: `value` is inline JSON ('{...}'), a file path (JSON or
     YAML) or a dict, holding the whole config or just `section`. Validated with defaults
     filled; returns the section's settings object (Settings for section None or "config",
-    a mapping name -> CategorySettings for "categories"). Raises ConfigError naming the key."""
+    a mapping name -> CategorySettings for "categories", the CategorySettings of one category
+    for "categories.NAME"). Raises ConfigError naming the key."""
     if isinstance(value, Mapping):
         obj = dict(value)
     else:
@@ -151,11 +156,17 @@ def load_section(value: str | Mapping, section: str | None):
     if section in (None, "config"):
         return Settings.from_config(obj)
     if _is_whole_config(obj):
-        return getattr(Settings.from_config(obj), section)
+        whole = Settings.from_config(obj)
+        if section.startswith("categories."):
+            name = section.split(".", 1)[1]
+            if name not in whole.categories:
+                raise ConfigError(f"config key '{section}': no such category")
+            return whole.categories[name]
+        return getattr(whole, section)
     raw = validate_section(obj, section)
     if section == "categories":
         return _categories(raw)
-    return _SECTION_CLASSES[section].from_raw(raw)
+    return _section_class(section).from_raw(raw)
 
 
 def load_config_file(path: str | Path) -> dict:
@@ -311,7 +322,7 @@ class CategorySettings(_Section):
     format_options: Mapping[str, str | None]
     hook: str | None
     turns: str
-    context: str | None  # None: as "dataset"
+    context: str | None  # no schema default (the prepare rule's params hold the category)
     max_prompts: int | None
     sample_seed: int
     shards: int
@@ -320,6 +331,13 @@ class CategorySettings(_Section):
     @property
     def regenerated(self) -> bool:
         return self.context == "regenerated"
+
+    @property
+    def context_mode(self) -> str:
+        """`context` as the prepare stage reads it: an absent key means "dataset" (the schema
+        gives `context` no default so that the prepare rule's params, which hold the category,
+        stay the same for configs without it)."""
+        return self.context or "dataset"
 
     def source_specs(self) -> list[dict]:
         """Every source as a dict: {path, format} or {hub, config, split, revision, format}."""
@@ -392,6 +410,22 @@ def effective_resources(
     """generation.resources with the overrides of a category's `resources` (if any)."""
     merged = {**generation.resources.raw, **thaw((category and category.resources) or {})}
     return ResourceSettings.from_raw(merged)
+
+
+def as_settings(config: Settings | Mapping) -> Settings:
+    """`config` itself if it is Settings, else the Settings of the (validated) dict."""
+    return config if isinstance(config, Settings) else Settings.from_config(config)
+
+
+def as_section(value, section: str):
+    """`value` itself if it is already the section's settings object, else load_section."""
+    return value if isinstance(value, _section_class(section)) else load_section(value, section)
+
+
+def _section_class(section: str):
+    if section.startswith("categories."):
+        return CategorySettings
+    return _SECTION_CLASSES[section]
 
 
 _SECTION_CLASSES = {

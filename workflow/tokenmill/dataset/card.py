@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import yaml
 
 from tokenmill import contracts
+from tokenmill.settings import ConfigError, as_settings, load_section, thaw
 
 COLUMNS = [
     ("prompt_id", "string", "stable id of the prompt (hash of the source record and turn)"),
@@ -76,8 +78,8 @@ def render(results_dir, config: dict, summary: dict | None) -> str:
         fp = contracts.read_metadata(f).get(contracts.META_TOKENIZER_FINGERPRINT)
         if fp:
             tok_fps.add(fp)
-    gen = config.get("generation", {})
-    tok = config.get("tokenizer", {})
+    config = as_settings(config)
+    gen, tok = config.generation, config.tokenizer
     lines = ["---", yaml.safe_dump(front_matter(categories), sort_keys=False).rstrip(), "---", ""]
     lines += [
         "# tokenmill EAGLE-3 drafter training data",
@@ -90,15 +92,13 @@ def render(results_dir, config: dict, summary: dict | None) -> str:
         "",
         "## How it was made",
         "",
-        f"- Target model: `{gen.get('model')}` (revision `{gen.get('revision')}`), "
-        f"engine `{gen.get('engine', 'sglang')}`",
-        f"- Tokenizer: `{tok.get('path')}` (revision `{tok.get('revision')}`), fingerprint "
+        f"- Target model: `{gen.model}` (revision `{gen.revision}`), engine `{gen.engine}`",
+        f"- Tokenizer: `{tok.path}` (revision `{tok.revision}`), fingerprint "
         + ", ".join(f"`{fp}`" for fp in sorted(tok_fps) or ["unknown"]),
-        "- Chat template kwargs: "
-        f"`{contracts.canonical_json(tok.get('chat_template_kwargs', {}))}`",
-        f"- Sampling: `{contracts.canonical_json(gen.get('sampling', {}))}`, stop tokens "
-        f"`{contracts.canonical_json(gen.get('stop_tokens', []))}`, seed policy "
-        f"`{gen.get('seed_policy', 'none')}`",
+        f"- Chat template kwargs: `{contracts.canonical_json(thaw(tok.chat_template_kwargs))}`",
+        f"- Sampling: `{contracts.canonical_json(thaw(gen.sampling))}`, stop tokens "
+        f"`{contracts.canonical_json(thaw(gen.stop_tokens))}`, seed policy "
+        f"`{gen.seed_policy}`",
         "- Rejected samples (truncated, aborted, missing stop token, too long, ...) are not in "
         "this dataset; they are listed with a reason in the pipeline's `rejected/` folder, and "
         "`provenance.json` records every input, setting and output checksum.",
@@ -119,7 +119,7 @@ def render(results_dir, config: dict, summary: dict | None) -> str:
     ]
     lines += [f"| `{n}` | {t} | {d} |" for n, t, d in COLUMNS]
     lines += _conversations_section(dataset, categories, summary)
-    if (config.get("dataset") or {}).get("draft_vocab_size") is not None:
+    if config.dataset.draft_vocab_size is not None:
         lines += _draft_vocab_section(dataset)  # not a stale folder of an earlier config
     if summary:
         lines += ["", "## Statistics", ""]
@@ -157,8 +157,7 @@ def _conversations_section(dataset: Path, categories: list[str], summary: dict |
     """How the `context: regenerated` categories' rows differ (docs/multi-turn.md)."""
     convs = [
         c for c in categories
-        if any(contracts.read_metadata(f).get(contracts.META_CONTEXT) == "regenerated"
-               for f in (dataset / c).glob("*.parquet"))
+        if any(contracts.is_regenerated(f) for f in (dataset / c).glob("*.parquet"))
     ]  # fmt: skip
     if not convs:
         return []
@@ -228,10 +227,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--stats", help="results/stats/summary.json")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    from tokenmill.cli import json_arg
-
+    try:
+        config = load_section(args.config_json, None)
+    except ConfigError as exc:
+        print(f"tokenmill card: {exc}", file=sys.stderr)
+        return 1
     summary = json.loads(Path(args.stats).read_text()) if args.stats else None
-    text = render(args.results_dir, json_arg(args.config_json), summary)
+    text = render(args.results_dir, config, summary)
     tmp = contracts.atomic_path(args.out)
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(args.out)
@@ -239,6 +241,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     raise SystemExit(main(sys.argv[1:]))

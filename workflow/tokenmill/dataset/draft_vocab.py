@@ -587,28 +587,27 @@ def model_vocab_size(model_name: str, revision: str | None = None, basedir=".") 
 
 def _from_config_main(argv: list[str]) -> int:
     """The `draft_vocab` rule: every setting from the pipeline's config sections."""
-    from tokenmill.cli import json_arg
+    from tokenmill.dataset import validate
+    from tokenmill.settings import thaw
 
     parser = argparse.ArgumentParser(
         prog="tokenmill draft-vocab from-config",
         description="build the draft vocabulary as the config's dataset.draft_vocab_* keys say",
     )
     parser.add_argument("--counts", nargs="+", required=True, help="counts files or folders")
-    parser.add_argument("--dataset-config", required=True, help="JSON object or JSON file")
-    parser.add_argument("--generation-config", required=True, help="JSON object or JSON file")
-    parser.add_argument("--tokenizer-config", required=True, help="JSON object or JSON file")
-    parser.add_argument("--basedir", default=".")
+    validate.add_config_arguments(parser)
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args(argv)
-    ds = json_arg(args.dataset_config)
-    gen = json_arg(args.generation_config)
-    tok_cfg = json_arg(args.tokenizer_config)
+    sections = validate.load_config_arguments(args, "tokenmill draft-vocab")
+    if sections is None:
+        return 1
+    ds, gen, tok = sections
 
     def fail(key, message) -> int:
         print(f"tokenmill draft-vocab: config key 'dataset.{key}': {message}", file=sys.stderr)
         return 1
 
-    size = ds.get("draft_vocab_size")
+    size = ds.draft_vocab_size
     if size is None:
         return fail("draft_vocab_size", "null: there is no draft vocabulary to build")
     paths = find_counts(args.counts)
@@ -616,22 +615,21 @@ def _from_config_main(argv: list[str]) -> int:
         print("tokenmill draft-vocab: no counts files found", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from tokenmill.dataset import validate
     from tokenmill.tokenization.tokenizer import load_tokenizer
 
     # The configured stop tokens as the tokenizer resolves them, plus its eos: merge's stop ids.
-    rules = validate.rules_from_config(ds, gen, load_tokenizer(tok_cfg, args.basedir))
-    target = ds.get("draft_vocab_target_size")
+    rules = validate.rules_from_config(ds, gen, load_tokenizer(tok, args.basedir))
+    target = ds.draft_vocab_target_size
     if target is None:
         try:
-            target = model_vocab_size(gen["model"], gen.get("revision"), args.basedir)
+            target = model_vocab_size(gen.model, gen.revision, args.basedir)
         except Exception as exc:  # noqa: BLE001 - reported with the key that avoids it
             return fail(
                 "draft_vocab_target_size",
-                f"null, and the vocab_size of generation.model {gen.get('model')!r} could not "
+                f"null, and the vocab_size of generation.model {gen.model!r} could not "
                 f"be read ({exc}); set it to the model config's vocab_size",
             )
-    weights = ds.get("draft_vocab_weights") or None
+    weights = thaw(ds.draft_vocab_weights) or None
     if weights is not None:
         # Categories without a weight count once.
         weights = {counts_category(p): 1.0 for p in paths} | dict(weights)
@@ -650,7 +648,7 @@ def _from_config_main(argv: list[str]) -> int:
             int(size),
             sorted(set(rules.stop_ids)),
             int(target),
-            ds.get("draft_vocab_formats") or FORMATS,
+            list(ds.draft_vocab_formats),
             inputs,
             weights,
         )

@@ -53,14 +53,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokenmill import contracts, keys
-from tokenmill.cli import json_arg
 from tokenmill.dataset import draft_vocab, validate
 from tokenmill.dataset.validate import REASONS, Rules
 
 BATCH_ROWS = contracts.ROW_GROUP_SIZE
-META_RECORDS_IN = "tokenmill.records_in"
-META_RECORDS_KEPT = "tokenmill.records_kept"
-META_RECORDS_REJECTED = "tokenmill.records_rejected"
 
 
 ConservationError = contracts.ConservationError  # the counts of a shard do not add up
@@ -128,6 +124,67 @@ class _RowGroupColumn:
         return out
 
 
+class _Rejects:
+    """The rejected rows of one shard (contracts.rejected_row, source category/shard), for
+    prompt and conversation shards alike."""
+
+    def __init__(self, category: str, shard: str):
+        self.category, self.shard = category, shard
+        self.rows: list[dict] = []
+
+    def add(self, reason: str, prompt_id, detail: str | None = None, record=None) -> None:
+        self.rows.append(
+            contracts.rejected_row(
+                "merge",
+                self.category,
+                reason,
+                detail,
+                f"{self.category}/{self.shard}",
+                prompt_id,
+                record,
+            )  # fmt: skip
+        )
+
+    def not_generated(self, prompt_id, record=None) -> None:
+        self.add("not_generated", prompt_id, validate.describe("not_generated"), record)
+
+    def reasons(self) -> dict[str, int]:
+        return dict(sorted(collections.Counter(r["reason"] for r in self.rows).items()))
+
+    def tokenized_prompts(self) -> set:
+        """The distinct tokenized prompts (conversations) among the rejected rows."""
+        return {r["prompt_id"] for r in self.rows if r["reason"] != "unknown_prompt_id"}
+
+    def write(self, path, metadata: dict) -> None:
+        contracts.write_table(
+            contracts.rejected_table(self.rows), path, contracts.REJECTED, "merge", metadata
+        )
+
+
+def _file_meta(category: str, shard: str, extra: dict | None = None) -> dict:
+    return {contracts.META_CATEGORY: category, contracts.META_SHARD: shard, **(extra or {})}
+
+
+def _generate_rejected(path) -> pa.Array:
+    """The prompt_ids generate rejected (results/rejected/generate/{c}/{s}.parquet)."""
+    if not path or not Path(path).exists():
+        return pa.array([], pa.string())
+    return _read_scalar(path, ["prompt_id"]).column("prompt_id").combine_chunks().drop_null()
+
+
+def _check_tokenized(what, tokenized, kept, merge_rejected, generate_rejected, generated) -> None:
+    """Conservation over tokenized prompts (conversations): each is a dataset row (kept),
+    rejected by merge, or rejected by generate."""
+    contracts.check_conservation(
+        f"{what} (in: tokenized, kept: in the dataset, rejected: "
+        f"merge_rejected_prompts={merge_rejected} + generate_rejected={generate_rejected}; "
+        f"generated rows={generated})",
+        tokenized,
+        kept,
+        merge_rejected + generate_rejected,
+    )
+
+
 def concat_lists(p_off, p_val, o_off, o_val):
     """input_ids and loss_mask as flattened arrays: prompt then output of every row."""
     p_len, o_len = np.diff(p_off), np.diff(o_off)
@@ -190,34 +247,18 @@ def merge_shard(
     per_prompt = np.bincount(tidx[known], minlength=tok.num_rows)
     dup = known & (per_prompt[np.where(known, tidx, 0)] > 1)
 
-    gen_rej_pids = pa.array([], pa.string())
-    if generate_rejected and Path(generate_rejected).exists():
-        gen_rej_pids = _read_scalar(generate_rejected, ["prompt_id"]).column("prompt_id")
-        gen_rej_pids = gen_rej_pids.combine_chunks().drop_null()
+    gen_rej_pids = _generate_rejected(generate_rejected)
     res.generate_rejected = len(gen_rej_pids)
     tok_gen_rejected = pc.is_in(tok_pid, value_set=gen_rej_pids).to_numpy(zero_copy_only=False)
     not_generated = np.flatnonzero((per_prompt == 0) & ~tok_gen_rejected)
 
-    rejected_rows: list[dict] = []
+    rejects = _Rejects(category, shard)
     gen_pid_np = gen_pid.to_numpy(zero_copy_only=False)
     gen_key_np = gen.column("sample_key").to_numpy(zero_copy_only=False)
     finish_np = gen.column("finish_type").to_numpy(zero_copy_only=False)
     matched_np = gen.column("finish_matched_id").to_pylist()
     tok_pid_np = tok_pid.to_numpy(zero_copy_only=False)
     tok_counts = tok.column("num_prompt_tokens").to_numpy(zero_copy_only=False)
-
-    def reject(reason, pid, detail, record=None):
-        rejected_rows.append(
-            {
-                "stage": "merge",
-                "category": category,
-                "reason": reason,
-                "detail": detail,
-                "source": f"{category}/{shard}",
-                "prompt_id": pid,
-                "record": contracts.canonical_json(record) if record is not None else None,
-            }
-        )
 
     def gen_record(g, **extra):
         rec = {
@@ -248,21 +289,18 @@ def merge_shard(
                 "limit": rules.max_sequence_tokens,
             }
             record = gen_record(g, num_prompt_tokens=int(p_len[i]), num_output_tokens=int(o_len[i]))
-            reject(code, gen_pid_np[g], validate.describe(code, **ctx), record)
+            rejects.add(code, gen_pid_np[g], validate.describe(code, **ctx), record)
 
     for g in np.flatnonzero(~known):
-        reject(
+        rejects.add(
             "unknown_prompt_id",
             gen_pid_np[g],
             validate.describe("unknown_prompt_id"),
             gen_record(g),
         )
     for t in not_generated:
-        reject(
-            "not_generated",
-            tok_pid_np[t],
-            validate.describe("not_generated"),
-            {"prompt_id": tok_pid_np[t], "num_prompt_tokens": int(tok_counts[t])},
+        rejects.not_generated(
+            tok_pid_np[t], {"prompt_id": tok_pid_np[t], "num_prompt_tokens": int(tok_counts[t])}
         )
     res.not_generated = len(not_generated)
 
@@ -284,16 +322,17 @@ def merge_shard(
     # metadata at close, and a conservation failure aborts the writer, so no output appears.
     tok_meta = contracts.read_metadata(tokenized)
     gen_meta = contracts.read_metadata(generated)
-    meta = {
-        contracts.META_CATEGORY: category,
-        contracts.META_SHARD: shard,
-        contracts.META_GENERATION_FINGERPRINT: gen_meta.get(
-            contracts.META_GENERATION_FINGERPRINT, generation_fp
-        ),
-    }
+    meta = _file_meta(
+        category,
+        shard,
+        {
+            contracts.META_GENERATION_FINGERPRINT: gen_meta.get(
+                contracts.META_GENERATION_FINGERPRINT, generation_fp
+            )
+        },
+    )
     if contracts.META_TOKENIZER_FINGERPRINT in tok_meta:
         meta[contracts.META_TOKENIZER_FINGERPRINT] = tok_meta[contracts.META_TOKENIZER_FINGERPRINT]
-    reason_counts = np.zeros(len(REASONS), dtype=np.int64)
     # Validation has checked every kept id against [0, vocab_size): bincount needs no check.
     token_counts = np.zeros(rules.vocab_size if counts_out else 0, dtype=np.int64)
     prompts_col = _RowGroupColumn(tokenized, "prompt_ids", batches_t)
@@ -312,7 +351,6 @@ def merge_shard(
             reason = validate.validate(
                 rules, p_val, p_off, o_val, o_off, finish_np[gi], key_ok, dup[gi]
             )
-            reason_counts += np.bincount(reason[reason >= 0], minlength=len(REASONS))
             reject_invalid(gi, reason, expected, p_off, o_off, o_val)
             ok = reason < 0
             res.kept += int(ok.sum())
@@ -332,44 +370,31 @@ def merge_shard(
             pending.result()
         del prompts_col, outputs_col
 
-        res.reasons = {REASONS[i]: int(c) for i, c in enumerate(reason_counts) if c}
-        for r in rejected_rows:
-            if r["reason"] in validate.JOIN_REASONS:
-                res.reasons[r["reason"]] = res.reasons.get(r["reason"], 0) + 1
-        res.rejected = len(rejected_rows)
-        # Conservation over tokenized prompts (see the module docstring).
-        rej_tok_prompts = {
-            r["prompt_id"] for r in rejected_rows if r["reason"] != "unknown_prompt_id"
-        }
-        contracts.check_conservation(
-            f"merge {category}/{shard} (in: tokenized prompts, kept: dataset rows, rejected: "
-            f"merge_rejected_prompts={len(rej_tok_prompts)} + "
-            f"generate_rejected={res.generate_rejected}; generated rows={res.generated})",
-            res.tokenized,
-            res.kept,
-            len(rej_tok_prompts) + res.generate_rejected,
-        )
+        res.reasons, res.rejected = rejects.reasons(), len(rejects.rows)
+        what = f"merge {category}/{shard}"
+        _check_tokenized(
+            what, res.tokenized, res.kept, len(rejects.tokenized_prompts()),
+            res.generate_rejected, res.generated,
+        )  # fmt: skip
         writer.add_metadata(
             {
-                META_RECORDS_IN: res.generated + res.not_generated,
-                META_RECORDS_KEPT: res.kept,
-                META_RECORDS_REJECTED: res.rejected,
-                "tokenmill.not_generated": res.not_generated,
-                "tokenmill.generate_rejected": res.generate_rejected,
-                "tokenmill.tokenized_rows": res.tokenized,
+                **contracts.count_metadata(
+                    res.generated + res.not_generated,
+                    res.kept,
+                    res.rejected,
+                    what=what,
+                    keys=contracts.MERGE_COUNT_KEYS,
+                ),  # fmt: skip
+                contracts.META_NOT_GENERATED: res.not_generated,
+                contracts.META_GENERATE_REJECTED: res.generate_rejected,
+                contracts.META_TOKENIZED_ROWS: res.tokenized,
             }
         )
 
     if counts_out:
         draft_vocab.write_counts(counts_out, token_counts, res.kept, category=category, shard=shard)
-    rejected_rows.sort(key=lambda r: (r["prompt_id"] or "", r["reason"], r["record"] or ""))
-    contracts.write_table(
-        contracts.rejected_table(rejected_rows),
-        rejected,
-        contracts.REJECTED,
-        "merge",
-        {contracts.META_CATEGORY: category, contracts.META_SHARD: shard},
-    )
+    rejects.rows.sort(key=lambda r: (r["prompt_id"] or "", r["reason"], r["record"] or ""))
+    rejects.write(rejected, _file_meta(category, shard))
     return res
 
 
@@ -377,12 +402,14 @@ def merge_conversation_shard(
     tokenized, generated, out, rejected, rules: Rules, generation_fp: str, category: str,
     shard: str, generate_rejected=None,
 ) -> MergeResult:  # fmt: skip
-    """A `context: regenerated` shard (docs/multi-turn.md): the generated turns (one row each,
-    with the prompt the engine was sent) are validated like any sample; a conversation keeps
-    its turns up to the first invalid one (later turns were built on it and are rejected with
-    the same reason). A prefix-exact conversation becomes ONE row, its last kept turn's
-    prompt + output, with loss_mask 1 over every kept turn's output; otherwise each kept turn
-    is a row (prompt_id repeats; sample_key is unique).
+    """A `context: regenerated` shard (docs/multi-turn.md), the variant of merge_shard for
+    conversations (same validation, rejected rows, dataset rows, metadata and conservation
+    code): the generated turns (one row each, with the prompt the engine was sent) are
+    validated like any sample; a conversation keeps its turns up to the first invalid one
+    (later turns were built on it and are rejected with the same reason). A prefix-exact
+    conversation becomes ONE row, its last kept turn's prompt + output, with loss_mask 1 over
+    every kept turn's output; otherwise each kept turn is a row (prompt_id repeats; sample_key
+    is unique).
 
     Counted in conversations (records_*: in = conversations generated + not_generated = kept,
     those with a dataset row, + rejected, those without; tokenized conversations = in +
@@ -391,12 +418,10 @@ def merge_conversation_shard(
     tok_pids = _read_scalar(tokenized, ["prompt_id"]).column("prompt_id").to_pylist()
     gen = pq.read_table(generated)
     res.tokenized, res.generated = len(tok_pids), gen.num_rows
-    gen_rej = set()
-    if generate_rejected and Path(generate_rejected).exists():
-        gen_rej = set(_read_scalar(generate_rejected, ["prompt_id"]).column(0).to_pylist())
+    gen_rej = set(_generate_rejected(generate_rejected).to_pylist())
     res.generate_rejected = len(gen_rej)
-    p_val, p_off = contracts.list_arrays(gen.column("turn_prompt_ids").combine_chunks())
-    o_val, o_off = contracts.list_arrays(gen.column("output_ids").combine_chunks())
+    p_val, p_off = contracts.list_arrays(gen.column("turn_prompt_ids"))
+    o_val, o_off = contracts.list_arrays(gen.column("output_ids"))
     expected = np.array(keys.sample_keys(generation_fp, (p_val, p_off)), dtype=object)
     got = gen.column("sample_key").to_numpy(zero_copy_only=False)
     reason = validate.validate(
@@ -405,32 +430,24 @@ def merge_conversation_shard(
     pids = gen.column("prompt_id").to_pylist()
     exact = gen.column("prefix_exact").to_pylist()
     keys_ = gen.column("sample_key").to_pylist()
-    finish = gen.column("finish_type").to_pylist()
+    turn_no = gen.column("turn").to_pylist()
     by_conv: dict[str, list[int]] = {}
     for i, pid in enumerate(pids):
         by_conv.setdefault(pid, []).append(i)
     known = set(tok_pids)
-    rows, rej = [], []
+    rejects = _Rejects(category, shard)
+    # kept rows: (generated row of the sample, prompt + output ids, loss mask, output tokens,
+    # reasoning tokens)
+    rows: list[tuple[int, np.ndarray, np.ndarray, int, int | None]] = []
 
     def turn(i):
         return (p_val[p_off[i] : p_off[i + 1]], o_val[o_off[i] : o_off[i + 1]])
 
     def reject(i, code, detail):
-        rej.append({"stage": "merge", "category": category, "reason": code, "detail": detail,
-                    "source": f"{category}/{shard}", "prompt_id": pids[i],
-                    "record": contracts.canonical_json({"sample_key": keys_[i], "turn": int(
-                        gen.column("turn")[i].as_py())})})  # fmt: skip
-
-    def row(pid, key, ids, mask, n_out, fin, reasoning):
-        n = len(ids)
-        return {"prompt_id": pid, "category": category, "sample_key": key,
-                "input_ids": ids, "loss_mask": mask, "num_prompt_tokens": n - n_out,
-                "num_output_tokens": n_out, "num_reasoning_tokens": reasoning,
-                "num_answer_tokens": None if reasoning is None else n_out - reasoning,
-                "num_total_tokens": n, "finish_type": fin}  # fmt: skip
+        rejects.add(code, pids[i], detail, {"sample_key": keys_[i], "turn": int(turn_no[i])})
 
     # Every turn's reasoning tokens in one batch, as for a plain shard (None without think-end).
-    all_off, all_ids, _ = concat_lists(p_off, p_val, o_off, o_val)
+    all_off, all_ids, all_mask = concat_lists(p_off, p_val, o_off, o_val)
     still_open = validate.unterminated(
         all_ids, all_off, np.diff(p_off), rules.think_start_id, rules.think_end_id
     )
@@ -473,51 +490,67 @@ def merge_conversation_shard(
                 n_out += len(o)
                 if n_reason is not None:
                     n_reason += reasoning_of(i)
-            rows.append(row(pid, keys_[good[-1]], ids, mask, n_out, finish[good[-1]], n_reason))
+            rows.append((good[-1], ids, mask, n_out, n_reason))
             exact_kept += 1
         else:
             for i in good:
-                p, o = turn(i)
-                mask = np.concatenate([np.zeros(len(p), np.int8), np.ones(len(o), np.int8)])
-                rows.append(row(pid, keys_[i], np.concatenate([p, o]), mask, len(o), finish[i],
-                                reasoning_of(i)))  # fmt: skip
-    for pid in sorted(known - set(by_conv) - gen_rej):
-        rej.append({"stage": "merge", "category": category, "reason": "not_generated",
-                    "detail": validate.describe("not_generated"),
-                    "source": f"{category}/{shard}", "prompt_id": pid})  # fmt: skip
-    res.not_generated = len(known - set(by_conv) - gen_rej)
+                lo, hi = all_off[i], all_off[i + 1]
+                rows.append((i, all_ids[lo:hi], all_mask[lo:hi], len(turn(i)[1]), reasoning_of(i)))
+    not_generated = sorted(known - set(by_conv) - gen_rej)
+    for pid in not_generated:
+        rejects.not_generated(pid)
+    res.not_generated = len(not_generated)
     convs_in = len(by_conv) + res.not_generated
-    if len(known) != convs_in + len(gen_rej & known) or kept_convs > convs_in:
-        raise ConservationError(
-            f"{category}/{shard}: {len(known)} tokenized conversations != {len(by_conv)} "
-            f"generated + {res.not_generated} not generated + {len(gen_rej & known)} rejected "
-            "by generate"
-        )
-    turns_rejected = sum(1 for r in rej if r["reason"] != "not_generated")
-    res.kept, res.rejected = len(rows), len(rej)
-    res.reasons = dict(sorted(collections.Counter(r["reason"] for r in rej).items()))
-    meta = {
-        contracts.META_CATEGORY: category,
-        contracts.META_SHARD: shard,
-        contracts.META_CONTEXT: "regenerated",
-        # conversations: in = kept (a dataset row) + rejected (none)
-        META_RECORDS_IN: str(convs_in),
-        META_RECORDS_KEPT: str(kept_convs),
-        META_RECORDS_REJECTED: str(convs_in - kept_convs),
-        "tokenmill.not_generated": str(res.not_generated),
-        # turns: generated turn rows = kept (under the loss mask) + rejected
-        "tokenmill.turns_in": str(res.generated),
-        "tokenmill.turns_kept": str(res.generated - turns_rejected),
-        "tokenmill.turns_rejected": str(turns_rejected),
-        # samples (rows): one per prefix-exact conversation, one per turn otherwise
-        "tokenmill.conversation_samples": str(exact_kept),
-        "tokenmill.turn_samples": str(len(rows) - exact_kept),
-    }
-    table = pa.Table.from_pylist(rows, schema=contracts.DATASET)
-    contracts.write_table(table, out, contracts.DATASET, "merge", meta)
-    contracts.write_table(
-        contracts.rejected_table(rej), rejected, contracts.REJECTED, "merge", meta
+    what = f"merge {category}/{shard}"
+    # tokenized conversations: kept, generated without a dataset row or not generated (merge
+    # rejected them), or rejected by generate
+    merge_rejected = len(known & set(by_conv)) - kept_convs + res.not_generated
+    _check_tokenized(
+        what, len(known), kept_convs, merge_rejected, len(gen_rej & known), res.generated
     )
+    turns_rejected = sum(1 for r in rejects.rows if r["reason"] != "not_generated")
+    res.kept, res.rejected = len(rows), len(rejects.rows)
+    res.reasons = rejects.reasons()
+    meta = _file_meta(
+        category,
+        shard,
+        {
+            contracts.META_CONTEXT: contracts.CONTEXT_REGENERATED,
+            # conversations: in = kept (a dataset row) + rejected (none)
+            **contracts.count_metadata(
+                convs_in,
+                kept_convs,
+                convs_in - kept_convs,
+                what=what,
+                keys=contracts.MERGE_COUNT_KEYS,
+            ),  # fmt: skip
+            contracts.META_NOT_GENERATED: str(res.not_generated),
+            # turns: generated turn rows = kept (under the loss mask) + rejected
+            **contracts.count_metadata(
+                res.generated,
+                res.generated - turns_rejected,
+                turns_rejected,
+                what=f"{what} turns",
+                keys=contracts.TURN_COUNT_KEYS,
+            ),  # fmt: skip
+            # samples (rows): one per prefix-exact conversation, one per turn otherwise
+            contracts.META_CONVERSATION_SAMPLES: str(exact_kept),
+            contracts.META_TURN_SAMPLES: str(len(rows) - exact_kept),
+        },
+    )
+    lengths = np.array([len(r[1]) for r in rows], np.int64)
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    table = _dataset_table(
+        category,
+        gen.select(["prompt_id", "sample_key", "finish_type"]).take([r[0] for r in rows]),
+        off,
+        np.concatenate([r[1] for r in rows]) if rows else np.zeros(0, np.int32),
+        np.concatenate([r[2] for r in rows]) if rows else np.zeros(0, np.int8),
+        np.array([r[3] for r in rows], np.int64),
+        None if turn_reasoning is None else np.array([r[4] for r in rows], np.int64),
+    )
+    contracts.write_table(table, out, contracts.DATASET, "merge", meta)
+    rejects.write(rejected, meta)
     return res
 
 
@@ -525,30 +558,37 @@ def _dataset_batch(p_off, p_val, o_off, o_val, g, gen_scalars, category, rules) 
     """DATASET rows for generated rows `g` (all valid) and their prompt/output tokens.
     `gen_scalars` holds the generated shard's prompt_id, sample_key and finish_type columns."""
     off, ids, mask = concat_lists(p_off, p_val, o_off, o_val)
-    off32 = pa.array(off.astype(np.int32))
-    p_len = np.diff(p_off).astype(np.int32)
-    o_len = np.diff(o_off).astype(np.int32)
+    p_len, o_len = np.diff(p_off), np.diff(o_off)
     still_open = validate.unterminated(ids, off, p_len, rules.think_start_id, rules.think_end_id)
-    reasoning, answer = validate.reasoning_counts(o_val, o_off, rules.think_end_id, still_open)
-    n = len(g)
-    picked = gen_scalars.take(pa.array(g))
+    reasoning, _ = validate.reasoning_counts(o_val, o_off, rules.think_end_id, still_open)
+    return _dataset_table(category, gen_scalars.take(pa.array(g)), off, ids, mask, o_len, reasoning)
+
+
+def _dataset_table(category, scalars, off, ids, mask, o_len, reasoning) -> pa.Table:
+    """DATASET rows: `scalars` (prompt_id, sample_key, finish_type of each row), input_ids and
+    loss_mask flattened (`off` the row offsets), the output tokens of each row, and its
+    reasoning tokens (None without a think-end token: null columns)."""
+    n = scalars.num_rows
+    off32 = pa.array(np.asarray(off).astype(np.int32))
+    total = np.diff(off)
+    o_len = np.asarray(o_len, np.int64)
+
+    def int32_or_null(values):
+        return pa.array(values.astype(np.int32) if values is not None else [None] * n, pa.int32())
+
     return pa.table(
         {
-            "prompt_id": picked.column("prompt_id"),
+            "prompt_id": scalars.column("prompt_id"),
             "category": pa.array([category], pa.string()).take(pa.array(np.zeros(n, np.int64))),
-            "sample_key": picked.column("sample_key"),
+            "sample_key": scalars.column("sample_key"),
             "input_ids": pa.ListArray.from_arrays(off32, pa.array(ids, pa.int32())),
             "loss_mask": pa.ListArray.from_arrays(off32, pa.array(mask, pa.int8())),
-            "num_prompt_tokens": pa.array(p_len, pa.int32()),
-            "num_output_tokens": pa.array(o_len, pa.int32()),
-            "num_reasoning_tokens": pa.array(
-                reasoning.astype(np.int32) if reasoning is not None else [None] * n, pa.int32()
-            ),
-            "num_answer_tokens": pa.array(
-                answer.astype(np.int32) if answer is not None else [None] * n, pa.int32()
-            ),
-            "num_total_tokens": pa.array(p_len + o_len, pa.int32()),
-            "finish_type": picked.column("finish_type"),
+            "num_prompt_tokens": pa.array((total - o_len).astype(np.int32), pa.int32()),
+            "num_output_tokens": pa.array(o_len.astype(np.int32), pa.int32()),
+            "num_reasoning_tokens": int32_or_null(reasoning),
+            "num_answer_tokens": int32_or_null(None if reasoning is None else o_len - reasoning),
+            "num_total_tokens": pa.array(total.astype(np.int32), pa.int32()),
+            "finish_type": scalars.column("finish_type"),
         }
     )
 
@@ -565,19 +605,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--counts-out", help="results/token_counts/{c}/{s}.parquet: loss-token counts of the shard"
     )
-    parser.add_argument("--dataset-config", required=True, help="JSON object or JSON file")
-    parser.add_argument("--generation-config", required=True, help="JSON object or JSON file")
-    parser.add_argument("--tokenizer-config", required=True, help="JSON object or JSON file")
-    parser.add_argument("--basedir", default=".")
+    validate.add_config_arguments(parser)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from tokenmill.tokenization.tokenizer import load_tokenizer
 
-    ds_cfg = json_arg(args.dataset_config)
-    gen_cfg = json_arg(args.generation_config)
-    tok_cfg = json_arg(args.tokenizer_config)
-    tokenizer = load_tokenizer(tok_cfg, args.basedir)
-    rules = validate.rules_from_config(ds_cfg, gen_cfg, tokenizer)
+    sections = validate.load_config_arguments(args, "tokenmill merge")
+    if sections is None:
+        return 1
+    ds, gen, tok = sections
+    rules = validate.rules_from_config(ds, gen, load_tokenizer(tok, args.basedir))
     try:
         res = merge_shard(
             args.tokenized,
@@ -585,7 +622,7 @@ def main(argv: list[str]) -> int:
             args.out,
             args.rejected,
             rules,
-            keys.generation_fingerprint(gen_cfg),
+            gen.fingerprint,
             args.category,
             args.shard,
             generate_rejected=args.generate_rejected,

@@ -66,7 +66,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -77,6 +77,15 @@ import pyarrow.parquet as pq
 
 from tokenmill import contracts
 from tokenmill.dataset import draft_vocab, validate
+from tokenmill.settings import (
+    ConfigError,
+    DatasetSettings,
+    Settings,
+    TokenizerSettings,
+    as_section,
+    as_settings,
+    load_section,
+)
 
 STAGES = ("prepare", "tokenize", "generate", "merge")
 METRICS = ("prompt_tokens", "output_tokens", "reasoning_tokens", "answer_tokens", "total_tokens")
@@ -122,11 +131,15 @@ def _reasons(files) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def _stage(out_files, rej_files, in_key="tokenmill.records_in", repeated_total=False):
-    kept, rejected = _rows(out_files), _rows(rej_files)
-    if out_files and is_conversation_category(out_files):
-        return _conversation_stage(out_files, rej_files)
-    ins = _int_meta(out_files, in_key) if out_files else None
+def _stage(out_files, rej_files, repeated_total=False):
+    """in / kept / rejected / reasons of one stage of a category, from its output files'
+    counts metadata (contracts.META_RECORDS_IN) and its rows; a `context: regenerated`
+    category counts conversations (_conversation_counts), every other category rows."""
+    if out_files and contracts.is_regenerated(out_files[0]):
+        kept, rejected, reasons = _conversation_counts(out_files, rej_files)
+    else:
+        kept, rejected, reasons = _rows(out_files), _rows(rej_files), _reasons(rej_files)
+    ins = _int_meta(out_files, contracts.META_RECORDS_IN) if out_files else None
     value = None
     if ins:
         value = sum(ins)
@@ -136,42 +149,28 @@ def _stage(out_files, rej_files, in_key="tokenmill.records_in", repeated_total=F
         "in": value,
         "kept": kept,
         "rejected": rejected,
-        "reasons": _reasons(rej_files),
+        "reasons": reasons,
         "in_source": "metadata" if value is not None else "inferred",
     }
 
 
-def is_conversation_category(files) -> bool:
-    return contracts.read_metadata(files[0]).get(contracts.META_CONTEXT) == "regenerated"
-
-
-def _conversation_stage(out_files, rej_files) -> dict:
-    """A stage of a `context: regenerated` category, in conversations. Generate writes a row per
-    turn (kept: conversations with a generated turn) and a rejected row per conversation; merge
+def _conversation_counts(out_files, rej_files) -> tuple[int, int, dict]:
+    """(kept, rejected, reasons) of a stage of a `context: regenerated` category, in
+    conversations. Tokenize writes a row per conversation; generate writes a row per turn
+    (kept: conversations with a generated turn) and a rejected row per conversation; merge
     writes its conversation counts into the metadata and a rejected row per turn (a
     conversation's reason: that of its first rejected row, when none of its turns was kept)."""
-    ins = _int_meta(out_files, "tokenmill.records_in")
-    stage = contracts.read_metadata(out_files[0]).get("tokenmill.stage")
-    if stage == "merge":
-        kept = sum(_int_meta(out_files, "tokenmill.records_kept") or [0])
-        kept_pids = _pids(out_files)
-        reasons: dict[str, int] = {}
-        for f in rej_files:
-            t = pq.read_table(f, columns=["prompt_id", "reason"]).to_pylist()
-            for pid, reason in {r["prompt_id"]: r["reason"] for r in reversed(t)}.items():
-                if pid not in kept_pids:
-                    reasons[reason] = reasons.get(reason, 0) + 1
-        rejected = sum(reasons.values())
-    else:
-        kept = len(_pids(out_files))
-        rejected, reasons = _rows(rej_files), _reasons(rej_files)
-    return {
-        "in": sum(ins) if ins else None,
-        "kept": kept,
-        "rejected": rejected,
-        "reasons": dict(sorted(reasons.items())),
-        "in_source": "metadata" if ins else "inferred",
-    }
+    if contracts.read_metadata(out_files[0]).get(contracts.META_STAGE) != "merge":
+        return len(_pids(out_files)), _rows(rej_files), _reasons(rej_files)
+    kept = sum(_int_meta(out_files, contracts.META_RECORDS_KEPT) or [0])
+    kept_pids = _pids(out_files)
+    reasons: dict[str, int] = {}
+    for f in rej_files:
+        t = pq.read_table(f, columns=["prompt_id", "reason"]).to_pylist()
+        for pid, reason in {r["prompt_id"]: r["reason"] for r in reversed(t)}.items():
+            if pid not in kept_pids:
+                reasons[reason] = reasons.get(reason, 0) + 1
+    return kept, sum(reasons.values()), dict(sorted(reasons.items()))
 
 
 def _pids(files) -> set[str]:
@@ -182,7 +181,7 @@ def _conversations(tokenized, generated, dataset, merge_rej, metas) -> dict | No
     """The turn-level counts of a `context: regenerated` category (None for other categories):
     from the generate jobs' meta (turns in the data, how each conversation ended), the
     generated turn rows, and merge's metadata and rejected turn rows."""
-    if not tokenized or not is_conversation_category(tokenized):
+    if not tokenized or not contracts.is_regenerated(tokenized[0]):
         return None
     counts = [m.get("counts") or {} for m in metas]
     ends: dict[str, int] = {}
@@ -205,12 +204,12 @@ def _conversations(tokenized, generated, dataset, merge_rej, metas) -> dict | No
         "turns_generated": _rows(generated),
         "turns_not_asked": total - answered,
         "ends": dict(sorted(ends.items())),
-        "turns_kept": meta_sum("tokenmill.turns_kept"),
-        "turns_rejected": meta_sum("tokenmill.turns_rejected"),
+        "turns_kept": meta_sum(contracts.META_TURNS_KEPT),
+        "turns_rejected": meta_sum(contracts.META_TURNS_REJECTED),
         "turn_reasons": dict(sorted(turn_reasons.items())),
         "samples": _rows(dataset),
-        "conversation_samples": meta_sum("tokenmill.conversation_samples"),
-        "turn_samples": meta_sum("tokenmill.turn_samples"),
+        "conversation_samples": meta_sum(contracts.META_CONVERSATION_SAMPLES),
+        "turn_samples": meta_sum(contracts.META_TURN_SAMPLES),
     }
 
 
@@ -272,30 +271,37 @@ def _generation_time(meta: dict) -> float:
 @dataclass
 class ThinkTokens:
     """The think-open and think-close token ids, resolved with the tokenizer on first use
-    (only outputs without a think-close need them); `ids` may be given (tests)."""
+    (only outputs without a think-close need them) by validate.think_ids, the rule merge
+    uses; `ids` may be given (tests). `dataset`, `tokenizer`: settings or section dicts."""
 
-    config: dict
+    dataset: DatasetSettings
+    tokenizer: TokenizerSettings
     basedir: str = "."
     ids: tuple[int | None, int | None] | None = None
-    _done: bool = field(default=False, repr=False)
+
+    def __post_init__(self):
+        self.dataset = as_section(self.dataset, "dataset")
+        self.tokenizer = as_section(self.tokenizer, "tokenizer")
+
+    @classmethod
+    def of(cls, config: Settings | dict, basedir: str = ".") -> ThinkTokens:
+        config = as_settings(config)
+        return cls(config.dataset, config.tokenizer, basedir)
 
     @property
     def end_token(self) -> str | None:
-        return (self.config.get("dataset") or {}).get("think_end_token")
+        return self.dataset.think_end_token
 
     @property
     def start_token(self) -> str | None:
-        configured = (self.config.get("dataset") or {}).get("think_start_token")
-        return validate.think_start_token(self.end_token, configured)
+        return validate.think_start_token(self.end_token, self.dataset.think_start_token)
 
     def get(self) -> tuple[int | None, int | None]:
-        """(think-open id, think-close id) by validate.think_ids, the rule merge uses."""
         if self.ids is None:
             from tokenmill.tokenization.tokenizer import load_tokenizer
 
-            tok = load_tokenizer(self.config["tokenizer"], self.basedir)
-            configured = (self.config.get("dataset") or {}).get("think_start_token")
-            self.ids = validate.think_ids(tok, self.end_token, configured)
+            tok = load_tokenizer(self.tokenizer, self.basedir)
+            self.ids = validate.think_ids(tok, self.end_token, self.dataset.think_start_token)
         return self.ids
 
 
@@ -372,7 +378,9 @@ def _category(results: Path, cat: str, think: ThinkTokens):
     merge_rej = sorted((rej / "merge" / cat).glob("*.parquet"))
     if dataset:
         stages["merge"] = _stage(dataset, merge_rej)
-        stages["merge"]["not_generated"] = sum(_int_meta(dataset, "tokenmill.not_generated") or [0])
+        stages["merge"]["not_generated"] = sum(
+            _int_meta(dataset, contracts.META_NOT_GENERATED) or [0]
+        )
 
     finish: dict[str, int] = {}
     cache = {"samples": 0, "samples_reporting": 0, "cached_tokens": 0, "prompt_tokens": 0}
@@ -536,11 +544,12 @@ def _conversation_problems(cat: str, s: dict) -> list[str]:
     return out
 
 
-def collect(results_dir, config: dict, think: ThinkTokens | None = None) -> tuple[dict, dict]:
-    """(summary, {category: raw length arrays})."""
-    think = think or ThinkTokens(config)
+def collect(results_dir, config, think: ThinkTokens | None = None) -> tuple[dict, dict]:
+    """(summary, {category: raw length arrays}). `config`: Settings, or the config as a dict."""
+    settings = as_settings(config)
+    think = think or ThinkTokens.of(settings)
     results = Path(results_dir)
-    names = set(config.get("categories", {}))
+    names = set(settings.categories)
     for stage_dir in ("tokenized", "generated", "dataset"):
         if (results / stage_dir).is_dir():
             names |= {p.name for p in (results / stage_dir).iterdir() if p.is_dir()}
@@ -557,7 +566,7 @@ def collect(results_dir, config: dict, think: ThinkTokens | None = None) -> tupl
     # one figure when every category's jobs have the same GPUs; GPU-hours add up regardless
     gpus = per_job.pop() if len(per_job) == 1 else (None if per_job <= {None} else "mixed")
     overall = _overall(cats, raws, timings, gpus)
-    _token_coverage(results, cats, overall, config)
+    _token_coverage(results, cats, overall, settings.dataset.draft_vocab_size)
     summary = {
         "schema": "tokenmill.stats/1",
         "categories": cats,
@@ -635,8 +644,7 @@ def _coverage_counts(results: Path, names) -> dict:
     return out
 
 
-def _token_coverage(results: Path, cats: dict, overall: dict, config: dict) -> None:
-    draft_size = (config.get("dataset") or {}).get("draft_vocab_size")
+def _token_coverage(results: Path, cats: dict, overall: dict, draft_size: int | None) -> None:
     found = _coverage_counts(results, [*cats, draft_vocab.ALL_COUNTS])
     for name, counts in found.items():
         scope = overall if name == draft_vocab.ALL_COUNTS else cats[name]
@@ -865,10 +873,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--basedir", default=".", help="a local tokenizer path is relative to it")
     args = parser.parse_args(argv)
-    from tokenmill.cli import json_arg
-
-    config = json_arg(args.config_json)
-    summary, raws = collect(args.results_dir, config, ThinkTokens(config, args.basedir))
+    try:
+        config = load_section(args.config_json, None)
+    except ConfigError as exc:
+        print(f"tokenmill stats: {exc}", file=sys.stderr)
+        return 1
+    # the validated dict (defaults filled); GPU-hours come from the generate metas, not it
+    summary, raws = collect(args.results_dir, config.raw, ThinkTokens.of(config, args.basedir))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")

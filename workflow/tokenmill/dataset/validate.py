@@ -23,9 +23,12 @@ one stable reason code:
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from tokenmill.settings import ConfigError, as_section, load_section
 
 REASONS = (
     "duplicate_prompt_id",
@@ -93,24 +96,25 @@ def think_ids(tokenizer, think_end_token, configured_start: str | None = None):
     return start_id, end_id
 
 
-def rules_from_config(dataset_cfg: dict, generation_cfg: dict, tokenizer) -> Rules:
-    """Rules for the `dataset:` section, the generation stop tokens and the loaded tokenizer."""
+def rules_from_config(dataset, generation, tokenizer) -> Rules:
+    """Rules for the `dataset:` settings, the generation stop tokens and the loaded tokenizer
+    (`dataset`, `generation`: settings objects, or the sections as dicts, validated here)."""
     from tokenmill.tokenization.tokenizer import resolve_token_ids
 
-    stop = resolve_token_ids(tokenizer, generation_cfg.get("stop_tokens") or [])
+    ds = as_section(dataset, "dataset")
+    gen = as_section(generation, "generation")
+    stop = resolve_token_ids(tokenizer, list(gen.stop_tokens))
     if tokenizer.eos_token_id is not None:
         stop.append(int(tokenizer.eos_token_id))
-    start_id, think_id = think_ids(
-        tokenizer, dataset_cfg.get("think_end_token"), dataset_cfg.get("think_start_token")
-    )
+    start_id, think_id = think_ids(tokenizer, ds.think_end_token, ds.think_start_token)
     return Rules(
         vocab_size=len(tokenizer),
         stop_ids=tuple(stop),
         think_end_id=think_id,
         think_start_id=start_id,
-        max_sequence_tokens=int(dataset_cfg.get("max_sequence_tokens", 32768)),
-        reject_truncated=bool(dataset_cfg.get("reject_truncated", True)),
-        require_think_end=bool(dataset_cfg.get("require_think_end", False)),
+        max_sequence_tokens=ds.max_sequence_tokens,
+        reject_truncated=ds.reject_truncated,
+        require_think_end=ds.require_think_end,
     )
 
 
@@ -268,3 +272,28 @@ def describe(reason: str, **ctx) -> str:
         return texts[reason].format(**ctx)
     except (KeyError, IndexError):
         return reason
+
+
+# --------------------------------------------------------------------------------------------
+# The config arguments of the commands that validate (merge, draft-vocab from-config)
+
+
+def add_config_arguments(parser) -> None:
+    """--dataset-config, --generation-config, --tokenizer-config (inline JSON or a file, the
+    section or the whole config) and --basedir (a local tokenizer path is relative to it)."""
+    for section in ("dataset", "generation", "tokenizer"):
+        parser.add_argument(f"--{section}-config", required=True, help="JSON object or JSON file")
+    parser.add_argument("--basedir", default=".")
+
+
+def load_config_arguments(args, prog: str):
+    """(dataset, generation, tokenizer) settings of add_config_arguments' arguments, or None
+    after printing the ConfigError (it names the key) to stderr."""
+    try:
+        return tuple(
+            load_section(getattr(args, f"{section}_config"), section)
+            for section in ("dataset", "generation", "tokenizer")
+        )
+    except ConfigError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None

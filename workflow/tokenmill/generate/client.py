@@ -44,6 +44,7 @@ spending attempts, so the caller can restart the engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -57,6 +58,7 @@ import aiohttp
 
 from tokenmill.generate.engines import EngineAPI, SGLangAPI
 from tokenmill.generate.engines.base import DUPLICATE_RID
+from tokenmill.settings import GenerationSettings, as_section, load_section
 
 log = logging.getLogger(__name__)
 
@@ -142,37 +144,48 @@ class Stats:
 
 @dataclass
 class ClientOptions:
+    """What the client needs from generation settings (no defaults here: the schema has them;
+    `with_defaults` builds the schema's for tests and benchmarks)."""
+
     sampling: dict
     stop_token_ids: list[int]
-    concurrency: int = 64
-    request_timeout_s: float = 3600.0
-    max_attempts: int = 8
-    backoff_initial_s: float = 1.0
-    backoff_max_s: float = 60.0
-    progress_interval_s: float = 30.0
-    api_key: str | None = None
-    fail_fast_after: int = 3
-    reject_max_fraction: float = 0.05
-    reject_min_count: int = 10
+    concurrency: int
+    request_timeout_s: float
+    max_attempts: int
+    backoff_initial_s: float
+    backoff_max_s: float
+    progress_interval_s: float
+    api_key: str | None
+    fail_fast_after: int
+    reject_max_fraction: float
+    reject_min_count: int
 
     @classmethod
-    def from_config(cls, gen: dict, stop_token_ids: list[int], api_key: str | None):
-        retry = gen.get("retry") or {}
-        limit = gen.get("reject_limit") or {}
+    def from_config(
+        cls, gen: GenerationSettings | dict, stop_token_ids: list[int], api_key: str | None
+    ):
+        gen = as_section(gen, "generation")
         return cls(
-            sampling=dict(gen.get("sampling") or {}),
+            sampling=dict(gen.raw["sampling"]),
             stop_token_ids=list(stop_token_ids),
-            concurrency=int(gen.get("concurrency", 64)),
-            request_timeout_s=float(gen.get("request_timeout_s", 3600)),
-            max_attempts=int(retry.get("max_attempts", 8)),
-            backoff_initial_s=float(retry.get("backoff_initial_s", 1.0)),
-            backoff_max_s=float(retry.get("backoff_max_s", 60.0)),
-            progress_interval_s=float(gen.get("progress_interval_s", 30)),
+            concurrency=gen.concurrency,
+            request_timeout_s=float(gen.request_timeout_s),
+            max_attempts=gen.retry.max_attempts,
+            backoff_initial_s=float(gen.retry.backoff_initial_s),
+            backoff_max_s=float(gen.retry.backoff_max_s),
+            progress_interval_s=float(gen.progress_interval_s),
             api_key=api_key,
-            fail_fast_after=int(retry.get("fail_fast_after", 3)),
-            reject_max_fraction=float(limit.get("max_fraction", 0.05)),
-            reject_min_count=int(limit.get("min_count", 10)),
+            fail_fast_after=gen.retry.fail_fast_after,
+            reject_max_fraction=float(gen.reject_limit.max_fraction),
+            reject_min_count=gen.reject_limit.min_count,
         )
+
+    @classmethod
+    def with_defaults(cls, sampling: dict, stop_token_ids: list[int], **overrides):
+        """The options of a generation section holding only `sampling` (the schema's defaults
+        for everything else), with `overrides` (field names) laid over them."""
+        gen = load_section({"sampling": sampling}, "generation")
+        return dataclasses.replace(cls.from_config(gen, stop_token_ids, None), **overrides)
 
 
 class RejectionGuard:

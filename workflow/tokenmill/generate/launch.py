@@ -52,6 +52,7 @@ from tokenmill.model import (
     weights_fingerprint,
 )
 from tokenmill.redaction import redact, redact_argv
+from tokenmill.settings import GenerationSettings, as_section
 
 DIST_PORT_OFFSET = 1000  # first candidate of the dist_init_addr port: HTTP port + this
 # SGLang's rendezvous uses the --dist-init-addr port and the next ones on the head (torch
@@ -267,7 +268,10 @@ def served_names(model_info: dict, server_info: dict | None = None) -> list[str]
 
 
 def check_model(
-    model_info: dict, server_info: dict | None, gen: dict, basedir: str | Path = "."
+    model_info: dict,
+    server_info: dict | None,
+    gen: GenerationSettings | dict,
+    basedir: str | Path = ".",
 ) -> str:
     """How the served model was matched to generation.model; EngineError naming both sides
     when it is not the same model.
@@ -279,15 +283,16 @@ def check_model(
     Face cache path), or a local path's last component equal to the hub id's name
     (/models/Kimi-K2.5 serves moonshotai/Kimi-K2.5).
     """
-    want = gen["model"]
+    gen = as_section(gen, "generation")
+    want = gen.model
     names = served_names(model_info, server_info)
     sides = f"the server reports {names or 'no model path'}, generation.model is {want!r}"
-    revision, served_rev = gen.get("revision"), (server_info or {}).get("revision")
+    revision, served_rev = gen.revision, (server_info or {}).get("revision")
     if revision and served_rev and revision != served_rev:
         raise EngineError(
             f"engine serves revision {served_rev!r}, but generation.revision is {revision!r}"
         )
-    stated = gen.get("server_model")
+    stated = gen.server_model
     if stated:
         if stated in names:
             return f"generation.server_model {stated!r} is what the server reports"
@@ -336,10 +341,12 @@ def model_matches(model_info: dict, model: str, basedir: str | Path = ".") -> bo
     return True
 
 
-def check_server(api: EngineAPI, gen: dict, server_info: dict, url: str) -> dict:
+def check_server(
+    api: EngineAPI, gen: GenerationSettings | dict, server_info: dict, url: str
+) -> dict:
     """EngineAPI.check_server as an EngineError naming the server."""
     try:
-        return api.check_server(gen, server_info or {}, url)
+        return api.check_server(as_section(gen, "generation"), server_info or {}, url)
     except ValueError as exc:
         raise EngineError(str(exc)) from None
 
@@ -350,15 +357,15 @@ def check_server(api: EngineAPI, gen: dict, server_info: dict, url: str) -> dict
 class ManagedEngine:
     def __init__(
         self,
-        gen: dict,
+        gen: GenerationSettings | dict,
         log_dir,
         basedir=".",
         api_key: str | None = None,
         api: EngineAPI | None = None,
     ):
-        self.gen = gen
+        self.gen = gen = as_section(gen, "generation")
         self.api = api or engines.for_config(gen)
-        self.launch = gen.get("launch") or {}
+        self.launch = gen.launch
         self.log_path = Path(log_dir) / "engine.log"
         self.basedir = Path(basedir)
         self.api_key = api_key
@@ -377,22 +384,22 @@ class ManagedEngine:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _model_arg(self) -> str:
-        model = self.gen["model"]
+        model = self.gen.model
         local = self.basedir / model
         return str(local.resolve()) if local.exists() else model
 
     def build_argv(self, port: int) -> list[str]:
-        host = self.launch.get("host", "127.0.0.1")
-        nnodes = int(self.launch.get("nnodes", 1))
+        host = self.launch.host
+        nnodes = self.launch.nnodes
         values = {
             "python": sys.executable,
             "model": self._model_arg(),
-            "revision": self.gen.get("revision") or "",
+            "revision": self.gen.revision or "",
             "host": host,
             "port": port,
             "nnodes": nnodes,
         }
-        argv = substitute(list(self.launch["command"]), values)
+        argv = substitute(list(self.launch.command), values)
         if nnodes > 1:
             # Checked here, on the node where rank 0 runs (the first of the job's nodes).
             self.dist_port = free_port_block(port + DIST_PORT_OFFSET)
@@ -402,8 +409,8 @@ class ManagedEngine:
         return substitute(argv, {"node_rank": 0, "dist_init_addr": f"127.0.0.1:{port + 1}"})
 
     def _request_host(self) -> str:
-        host = self.launch.get("host", "127.0.0.1")
-        if int(self.launch.get("nnodes", 1)) > 1 and job_nodelist(os.environ):
+        host = self.launch.host
+        if self.launch.nnodes > 1 and job_nodelist(os.environ):
             return head_address(os.environ)
         return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
@@ -418,15 +425,15 @@ class ManagedEngine:
         return "\n".join(redact(lines[-n:], [self.api_key or ""]))
 
     async def start(self) -> None:
-        port = free_port(self.launch.get("host", "127.0.0.1"))
+        port = free_port(self.launch.host)
         self.argv = self.build_argv(port)
         self.url = f"http://{self._request_host()}:{port}"
         self.starts += 1
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**self.api.default_env, **os.environ}
-        if int(self.launch.get("nnodes", 1)) > 1:
+        if self.launch.nnodes > 1:
             env = clean_slurm_env(env)
-        env.update({k: str(v) for k, v in (self.launch.get("env") or {}).items()})
+        env.update({k: str(v) for k, v in self.launch.env.items()})
         with open(self.log_path, "ab") as logf:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
             shown = " ".join(redact_argv(self.argv, [self.api_key or ""]))
@@ -450,7 +457,7 @@ class ManagedEngine:
         await self.wait_ready()
 
     async def wait_ready(self) -> None:
-        timeout = float(self.launch.get("startup_timeout_s", 900))
+        timeout = float(self.launch.startup_timeout_s)
         deadline = time.monotonic() + timeout
         t = aiohttp.ClientTimeout(total=30)
         async with aiohttp.ClientSession(timeout=t) as s:
@@ -512,10 +519,15 @@ class ExternalEngines:
     """Servers (or an sglang-router) started by someone else: nothing to launch or stop."""
 
     def __init__(
-        self, gen: dict, api_key: str | None = None, api: EngineAPI | None = None, basedir="."
+        self,
+        gen: GenerationSettings | dict,
+        api_key: str | None = None,
+        api: EngineAPI | None = None,
+        basedir=".",
     ):
+        gen = as_section(gen, "generation")
         self.api = api or engines.for_config(gen)
-        self.urls = [u.rstrip("/") for u in (gen.get("external") or {}).get("urls", [])]
+        self.urls = [u.rstrip("/") for u in gen.external.urls]
         self.api_key = api_key
         self.server_info: dict = {}
         self.model_info: dict = {}

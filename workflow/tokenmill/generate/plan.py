@@ -176,7 +176,7 @@ def _row(cp: CategoryPlan, config: dict, throughput: float | None, pilot: dict |
         "output_source": source,
         "expected_output_tokens": round(n_send * mean_out),
         "gpus_per_job": gpus_per_job(config, cp.category),
-        "runtime_min": int(res["runtime_min"]),
+        "runtime_min": res.runtime_min,
         "job_hours": None,
         "gpu_hours": None,
         "largest_shard_min": None,

@@ -16,72 +16,64 @@ snakemake-executor-plugin-slurm 2.8 as it really submits them (docs/cluster.md, 
 
 from __future__ import annotations
 
-# Keys of generation.resources that a category may override (categories.X.resources).
-KEYS = (
-    "gpus",
-    "gpu_model",
-    "cpus",
-    "mem_mb",
-    "max_mem_mb",
-    "runtime_min",
-    "max_runtime_min",
-    "qos",
-    "constraint",
-)
+from collections.abc import Mapping
+
+from tokenmill.settings import ResourceSettings, Settings, as_settings
 
 
-def category_resources(config: dict, category: str | None) -> dict:
+def category_resources(config: Settings | Mapping, category: str | None) -> ResourceSettings:
     """generation.resources with the category's own `resources` laid over it."""
-    merged = dict(config["generation"].get("resources") or {})
-    if category is not None:
-        merged.update(config["categories"][category].get("resources") or {})
-    return merged
+    return as_settings(config).resources(category)
 
 
-def nnodes(config: dict) -> int:
-    return int((config["generation"].get("launch") or {}).get("nnodes", 1))
+def nnodes(config: Settings | Mapping) -> int:
+    return as_settings(config).generation.launch.nnodes
 
 
-def job_resources(config: dict, category: str | None, attempt: int = 1) -> dict:
+def job_resources(config: Settings | Mapping, category: str | None, attempt: int = 1) -> dict:
     """The rule's resources for one job of `category` at `attempt` (1 = first)."""
-    r = category_resources(config, category)
+    config = as_settings(config)
+    r = config.resources(category)
     n = nnodes(config)
-    gpus = int(r.get("gpus", 0))
-    out: dict = {"nodes": n, "cpus_per_task": int(r["cpus"])}
-    model = r.get("gpu_model") if gpus > 0 else None
+    gpus = r.gpus
+    out: dict = {"nodes": n, "cpus_per_task": r.cpus}
+    model = r.gpu_model if gpus > 0 else None
     if n > 1 and gpus > 0:
         out.update(gpu=0, gpu_model=None, gres=f"gpu:{model}:{gpus}" if model else f"gpu:{gpus}")
     else:
         out.update(gpu=gpus, gpu_model=model, gres=None)
-    out["runtime"] = _capped(int(r["runtime_min"]) * attempt, r.get("max_runtime_min"))
-    out["mem_mb"] = _capped(int(r["mem_mb"]) * attempt, r.get("max_mem_mb"))
-    out["qos"] = r.get("qos")
-    out["constraint"] = r.get("constraint")
+    out["runtime"] = _capped(r.runtime_min * attempt, r.max_runtime_min)
+    out["mem_mb"] = _capped(r.mem_mb * attempt, r.max_mem_mb)
+    out["qos"] = r.qos
+    out["constraint"] = r.constraint
     return out
 
 
-def gpus_per_job(config: dict, category: str | None) -> int:
+def gpus_per_job(config: Settings | Mapping, category: str | None) -> int:
     """GPUs one generate job holds (all nodes together): for GPU-hours."""
-    return int(category_resources(config, category).get("gpus", 0)) * nnodes(config)
+    config = as_settings(config)
+    return config.resources(category).gpus * nnodes(config)
 
 
 def _capped(value: int, cap) -> int:
     return min(value, int(cap)) if cap else value
 
 
-def problems(config: dict) -> list[str]:
+def problems(config: Settings | Mapping) -> list[str]:
     """What the schema cannot check: caps below the first attempt's request."""
+    config = as_settings(config)
     found = []
     scopes = [("generation.resources", None)]
-    scopes += [(f"categories.{c}.resources", c) for c in sorted(config["categories"])]
+    scopes += [(f"categories.{c}.resources", c) for c in sorted(config.categories)]
     for where, category in scopes:
-        if category is not None and not config["categories"][category].get("resources"):
+        if category is not None and not config.categories[category].resources:
             continue
-        r = category_resources(config, category)
+        r = config.resources(category)
         for value, cap in (("runtime_min", "max_runtime_min"), ("mem_mb", "max_mem_mb")):
-            if r.get(cap) and r.get(value) and int(r[value]) > int(r[cap]):
+            want, most = getattr(r, value), getattr(r, cap)
+            if most and want and want > most:
                 found.append(
-                    f"config key '{where}.{value}': {r[value]} is above {cap} ({r[cap]}); "
+                    f"config key '{where}.{value}': {want} is above {cap} ({most}); "
                     "the first attempt would already ask for more than the cap"
                 )
     return found

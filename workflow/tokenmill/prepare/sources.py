@@ -128,12 +128,13 @@ def iter_parquet(shown: str, path: Path) -> Iterator[Record]:
 
 
 def iter_hub(spec: dict) -> Iterator[Record]:
+    """A hub source's records; `spec` is validated (the schema fills config, split, revision)."""
     import datasets  # lazy: only hub sources need it (and it is slow to import)
 
-    name, config, split = spec["hub"], spec.get("config"), spec.get("split") or "train"
+    name, config, split = spec["hub"], spec["config"], spec["split"]
     where = f"hub:{name}" + (f"/{config}" if config else "") + f":{split}"
     try:
-        ds = datasets.load_dataset(name, config, split=split, revision=spec.get("revision"))
+        ds = datasets.load_dataset(name, config, split=split, revision=spec["revision"])
     except Exception as exc:  # noqa: BLE001 - any loader failure is an unreadable source
         raise SourceError(f"cannot load hub dataset '{where}': {exc}") from exc
     for i, value in enumerate(ds):

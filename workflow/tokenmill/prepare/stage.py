@@ -41,8 +41,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tokenmill.cli import json_arg
-from tokenmill.config import load_hook, normalize_source
 from tokenmill.contracts import (
     META_CONTEXT,
     PROMPTS,
@@ -53,38 +51,31 @@ from tokenmill.contracts import (
     rejected_table,
 )
 from tokenmill.prepare import formats
+from tokenmill.prepare.hooks import load_hook
 from tokenmill.prepare.sources import SourceError, iter_source
+from tokenmill.settings import CategorySettings, ConfigError, as_section, load_section, thaw
 
 STAGE = "prepare"
-CATEGORY_DEFAULTS = {"turns": "last", "context": "dataset", "max_prompts": None, "sample_seed": 0,
-                     "format_options": {}}  # fmt: skip
 
 
 class PrepareError(RuntimeError):
     """A problem that stops the whole category (bad config, unreadable source)."""
 
 
-def with_defaults(category: dict) -> dict:
-    """The category config with the schema's defaults for keys that may be missing."""
-    cat = dict(category)
-    for key, value in CATEGORY_DEFAULTS.items():
-        if cat.get(key) is None:
-            cat[key] = value
-    if not cat.get("sources"):
-        raise PrepareError("category config: 'sources' is required (a non-empty list)")
-    if cat.get("format") not in formats.FORMATS:
-        raise PrepareError(
-            f"category config: 'format' must be one of {formats.FORMATS}, got {cat.get('format')!r}"
-        )
-    if cat["turns"] not in formats.TURNS:
-        raise PrepareError(f"category config: 'turns' must be one of {formats.TURNS}")
-    if cat["context"] not in formats.CONTEXTS:
-        raise PrepareError(f"category config: 'context' must be one of {formats.CONTEXTS}")
-    if any(normalize_source(s, cat)["format"] == "instruction" for s in cat["sources"]):
+def category_settings(category: str, cat: CategorySettings | dict) -> CategorySettings:
+    """The category's settings (a dict is validated against the schema, defaults filled in),
+    checked for what the schema cannot say. PrepareError names the key."""
+    try:
+        cat = as_section(cat, f"categories.{category}")
+    except ConfigError as exc:
+        raise PrepareError(str(exc)) from None
+    if any(spec["format"] == "instruction" for spec in cat.source_specs()):
         try:
-            formats.instruction_columns(cat["format_options"])
+            formats.instruction_columns(thaw(cat.format_options))
         except formats.ColumnClash as exc:
-            raise PrepareError(f"category config: format_options.{exc.role}: {exc}") from None
+            raise PrepareError(
+                f"config key 'categories.{category}.format_options.{exc.role}': {exc}"
+            ) from None
     return cat
 
 
@@ -103,19 +94,16 @@ def sample_rank(seed: int, pid: str) -> str:
     return hashlib.sha256(f"{seed}:{pid}".encode()).hexdigest()
 
 
-def _get_hook(cat: dict, basedir: Path, fmt: str):
+def _get_hook(cat: CategorySettings, basedir: Path, fmt: str):
     if fmt != "hook":
         return None
-    if not cat.get("hook"):
+    if not cat.hook:
         raise PrepareError("category config: format 'hook' needs hook: 'module:function'")
     # Hooks live next to the workflow (e.g. sample/hooks.py -> sample.hooks:fn).
-    base = str(basedir.resolve())
-    if base not in sys.path:
-        sys.path.insert(0, base)
     try:
-        return load_hook(cat["hook"])
+        return load_hook(cat.hook, basedir)
     except Exception as exc:  # noqa: BLE001 - any import problem stops the category
-        raise PrepareError(f"category config: hook '{cat['hook']}': {exc}") from exc
+        raise PrepareError(f"category config: hook '{cat.hook}': {exc}") from exc
 
 
 # Spill files: candidate prompts and rejections in source order, then the kept prompts split
@@ -183,17 +171,16 @@ def _read_stream(path: Path):
             yield from pa.ipc.open_stream(f)
 
 
-def _source_pass(category: str, cat: dict, basedir: Path, spill: _Spill):
+def _source_pass(category: str, cat: CategorySettings, basedir: Path, spill: _Spill):
     """Read every source once, in order: each record becomes one rejection or one candidate
     prompt per selected turn, spilled as it comes. Returns (records read, spilled rows, the
     candidates' prompt ids as 16-byte keys (two big-endian uint64 columns), the spill row of
     each candidate)."""
-    options = cat.get("format_options") or {}
+    options = thaw(cat.format_options)
     hooks: dict[str, object] = {}
     pids, rows = bytearray(), array("q")
     n_records = n_rows = 0
-    for src in cat["sources"]:
-        spec = normalize_source(src, cat)
+    for spec in cat.source_specs():
         fmt = spec["format"]
         if fmt not in hooks:
             hooks[fmt] = _get_hook(cat, basedir, fmt)
@@ -207,7 +194,7 @@ def _source_pass(category: str, cat: dict, basedir: Path, spill: _Spill):
                     continue
                 try:
                     prompts = formats.to_prompts(
-                        record.data, fmt, options, hooks[fmt], cat["turns"], cat["context"]
+                        record.data, fmt, options, hooks[fmt], cat.turns, cat.context_mode
                     )
                 except formats.RecordError as exc:
                     spill.append(source=record.location, raw=record.raw,
@@ -298,10 +285,12 @@ class _Buckets:
         return t.drop_columns(["position"])
 
 
-def prepare_files(category: str, cat: dict, out, rejected_out, basedir: str | Path = ".") -> dict:
+def prepare_files(
+    category: str, cat: CategorySettings | dict, out, rejected_out, basedir: str | Path = "."
+) -> dict:
     """Run the stage with bounded memory (see the module docstring): write both files and
     return the counts."""
-    cat = with_defaults(cat)
+    cat = category_settings(category, cat)
     basedir, out, rejected_out = Path(basedir), Path(out), Path(rejected_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     spill_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".spill", dir=out.parent))
@@ -311,7 +300,7 @@ def prepare_files(category: str, cat: dict, out, rejected_out, basedir: str | Pa
             n_records, n_rows, pids, cand_rows = _source_pass(category, cat, basedir, spill)
         finally:
             spill.close()
-        limit, seed = cat.get("max_prompts"), int(cat.get("sample_seed") or 0)
+        limit, seed = cat.max_prompts, cat.sample_seed
         status, position, first_of = _decide(pids, limit, seed)
         n_kept = int((status == KEPT).sum())
         counts = {
@@ -327,10 +316,10 @@ def prepare_files(category: str, cat: dict, out, rejected_out, basedir: str | Pa
         first_source: dict[int, str] = {}
         buckets = _Buckets(spill_dir, -(-n_kept // ROW_GROUP_SIZE))
         meta = _metadata(category, counts)
-        if cat["context"] != "dataset":
+        if cat.context_mode != "dataset":
             # Read by tokenize: conversation rows instead of prompt rows (only then, so that
             # the files of every other category stay byte-identical).
-            meta[META_CONTEXT] = cat["context"]
+            meta[META_CONTEXT] = cat.context_mode
         with ParquetWriter(rejected_out, REJECTED, STAGE, meta) as rejected_writer:
             pending: list[dict] = []
             row = 0
@@ -377,7 +366,7 @@ def prepare_files(category: str, cat: dict, out, rejected_out, basedir: str | Pa
     return counts
 
 
-def prepare(category: str, cat: dict, basedir: str | Path = "."):
+def prepare(category: str, cat: CategorySettings | dict, basedir: str | Path = "."):
     """The stage in memory, for tests and small inputs: (prompt rows sorted by prompt_id,
     rejected rows in source order, counts)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -398,10 +387,11 @@ def _metadata(category: str, counts: dict) -> dict:
     }
 
 
-def _load_category_config(value: str) -> dict:
+def _load_category_config(category: str, value: str) -> CategorySettings:
+    """--category-config: the category's section (or the whole config), validated."""
     try:
-        return json_arg(value, "--category-config")
-    except ValueError as exc:
+        return load_section(value, f"categories.{category}")
+    except ConfigError as exc:
         raise PrepareError(str(exc)) from None
 
 
@@ -418,7 +408,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--basedir", default=".", help="source paths are relative to this")
     args = parser.parse_args(argv)
     try:
-        cat = _load_category_config(args.category_config)
+        cat = _load_category_config(args.category, args.category_config)
         counts = prepare_files(args.category, cat, args.out, args.rejected, args.basedir)
     except (PrepareError, OSError, json.JSONDecodeError) as exc:
         print(f"tokenmill prepare [{args.category}]: error: {exc}", file=sys.stderr)

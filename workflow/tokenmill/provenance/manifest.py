@@ -65,6 +65,7 @@ from tokenmill.contracts import sha256_file
 from tokenmill.dataset import draft_vocab as dv
 from tokenmill.prepare.sources import expand_paths
 from tokenmill.redaction import REDACTED, redact
+from tokenmill.settings import ConfigError, Settings, as_settings, load_section
 
 SCHEMA = "tokenmill.provenance/1"
 PACKAGES = (
@@ -92,9 +93,9 @@ def file_entry(path, shown=None) -> dict:
     }
 
 
-def scrub_text(text: str, config: dict) -> str:
+def scrub_text(text: str, config: Settings | dict) -> str:
     """Remove the API key's value (if its env var is set) from serialized text."""
-    name = (config.get("generation") or {}).get("api_key_env")
+    name = as_settings(config).generation.api_key_env
     secret = os.environ.get(name) if name else None
     if secret:
         text = text.replace(secret, REDACTED)
@@ -102,22 +103,19 @@ def scrub_text(text: str, config: dict) -> str:
     return text
 
 
-def _inputs(config: dict, basedir: Path) -> dict:
-    from tokenmill.config import normalize_source
-
+def _inputs(config: Settings, basedir: Path) -> dict:
     out = {}
-    for cat, spec in sorted(config.get("categories", {}).items()):
+    for cat, spec in sorted(config.categories.items()):
         entries = []
-        for src in spec.get("sources", []):
-            s = normalize_source(src, spec)
+        for s in spec.source_specs():
             if "hub" in s:
                 entries.append(
                     {
                         "kind": "hub",
                         "name": s["hub"],
-                        "config": s.get("config"),
-                        "split": s.get("split"),
-                        "revision": s.get("revision"),
+                        "config": s["config"],
+                        "split": s["split"],
+                        "revision": s["revision"],
                     }
                 )
                 continue
@@ -131,22 +129,22 @@ def _inputs(config: dict, basedir: Path) -> dict:
     return out
 
 
-def _tokenizer_files(config: dict, basedir: Path) -> list[dict]:
+def _tokenizer_files(config: Settings, basedir: Path) -> list[dict]:
     """Every file of a local tokenizer directory and the chat template file, each recorded
     under the path the config gives (tokenizer.path joined with the file's name inside it), so
     an absolute tokenizer.path such as /models/kimi is recorded as it is."""
-    tok = config.get("tokenizer", {})
+    tok = config.tokenizer
     files = []
-    local = basedir / tok.get("path", "")  # an absolute tokenizer.path stays absolute
-    if tok.get("path") and local.is_dir():
-        shown = Path(tok["path"])
+    local = basedir / tok.path  # an absolute tokenizer.path stays absolute
+    if local.is_dir():
+        shown = Path(tok.path)
         files += [
             file_entry(p, (shown / p.relative_to(local)).as_posix())
             for p in sorted(local.rglob("*"))
             if p.is_file()
         ]
-    if tok.get("chat_template") and (basedir / tok["chat_template"]).is_file():
-        files.append(file_entry(basedir / tok["chat_template"], tok["chat_template"]))
+    if tok.chat_template and (basedir / tok.chat_template).is_file():
+        files.append(file_entry(basedir / tok.chat_template, tok.chat_template))
     return files
 
 
@@ -189,15 +187,16 @@ def _excluded(rel: str, journal_rel: str | None, out_rel: str | None) -> bool:
     return bool(journal_rel) and (rel == journal_rel or rel.startswith(journal_rel + "/"))
 
 
-def output_paths(results: Path, config: dict, out_path: Path | None = None) -> list[str]:
+def output_paths(results: Path, config: Settings | dict, out_path: Path | None = None) -> list[str]:
     """Paths (relative, posix) of the files under results that the provenance lists."""
-    journal = Path(config.get("journal_dir", "journal"))
+    config = as_settings(config)
+    journal = Path(config.journal_dir)
     journal_rel = None
     try:
         journal_rel = str(journal.resolve().relative_to(results.resolve()))
     except ValueError:
         # journal_dir is relative to the workflow dir, results_dir too: compare the tails
-        rd = Path(config.get("results_dir", "results"))
+        rd = Path(config.results_dir)
         if journal.parts[: len(rd.parts)] == rd.parts:
             journal_rel = "/".join(journal.parts[len(rd.parts) :])
     out_rel = None
@@ -209,7 +208,9 @@ def output_paths(results: Path, config: dict, out_path: Path | None = None) -> l
     return [rel for rel in rels if not _excluded(rel, journal_rel, out_rel)]
 
 
-def list_outputs(results: Path, config: dict, out_path: Path | None = None) -> list[dict]:
+def list_outputs(
+    results: Path, config: Settings | dict, out_path: Path | None = None
+) -> list[dict]:
     entries = []
     for rel in output_paths(results, config, out_path):
         p = results / rel
@@ -231,10 +232,11 @@ def sample_digests(path) -> dict[str, str]:
     }
 
 
-def build(results_dir, config: dict, configfiles=(), basedir=".", out_path=None) -> dict:
+def build(results_dir, config: Settings | dict, configfiles=(), basedir=".", out_path=None) -> dict:
     results, base = Path(results_dir), Path(basedir)
-    gen = config.get("generation", {})
-    tok = config.get("tokenizer", {})
+    settings = as_settings(config)
+    config = settings.raw  # the resolved config, as recorded
+    gen, tok = settings.generation, settings.tokenizer
     engine, jobs, starts, ends = [], [], [], []
     for m in sorted((results / "generated").glob("*/*.meta.json")):
         meta = redact(json.loads(m.read_text()))
@@ -256,7 +258,7 @@ def build(results_dir, config: dict, configfiles=(), basedir=".", out_path=None)
                 "end": end,
             }
         )
-    outputs = list_outputs(results, config, Path(out_path) if out_path else None)
+    outputs = list_outputs(results, settings, Path(out_path) if out_path else None)
     if not starts and outputs:
         mtimes = [(results / e["path"]).stat().st_mtime for e in outputs]
         from datetime import UTC, datetime
@@ -282,29 +284,29 @@ def build(results_dir, config: dict, configfiles=(), basedir=".", out_path=None)
             "sha256": hashlib.sha256(contracts.canonical_json(config).encode()).hexdigest(),
             "files": [file_entry(f) for f in configfiles],
         },
-        "inputs": _inputs(config, base),
+        "inputs": _inputs(settings, base),
         "prepare_metadata": prepare_meta,
         "tokenizer": {
-            "path": tok.get("path"),
-            "revision": tok.get("revision"),
-            "trust_remote_code": tok.get("trust_remote_code", False),
-            "chat_template": tok.get("chat_template"),
-            "chat_template_kwargs": tok.get("chat_template_kwargs", {}),
+            "path": tok.path,
+            "revision": tok.revision,
+            "trust_remote_code": tok.trust_remote_code,
+            "chat_template": tok.chat_template,
+            "chat_template_kwargs": tok.raw["chat_template_kwargs"],
             "fingerprints": tok_fps,
-            "files": _tokenizer_files(config, base),
+            "files": _tokenizer_files(settings, base),
         },
         "model": {
-            "id": gen.get("model"),
-            "revision": gen.get("revision"),
-            "engine": gen.get("engine", "sglang"),
+            "id": gen.model,
+            "revision": gen.revision,
+            "engine": gen.engine,
         },
         "generation": {
-            "fingerprint": keys.generation_fingerprint(gen) if gen else None,
-            "sampling": gen.get("sampling"),
-            "stop_tokens": gen.get("stop_tokens"),
-            "seed_policy": gen.get("seed_policy", "none"),
-            "mode": gen.get("mode", "managed"),
-            "api_key_env": gen.get("api_key_env"),
+            "fingerprint": keys.generation_fingerprint(gen),
+            "sampling": gen.raw["sampling"],
+            "stop_tokens": gen.raw["stop_tokens"],
+            "seed_policy": gen.seed_policy,
+            "mode": gen.mode,
+            "api_key_env": gen.api_key_env,
         },
         "engine": engine,
         "jobs": jobs,
@@ -332,21 +334,20 @@ def _draft_vocab(results: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def dumps(manifest: dict, config: dict) -> str:
+def dumps(manifest: dict, config: Settings | dict) -> str:
     return scrub_text(json.dumps(manifest, indent=2, sort_keys=True), config) + "\n"
 
 
-def check_reproducible(manifest: dict, config: dict, basedir=".") -> list[str]:
+def check_reproducible(manifest: dict, config: Settings | dict, basedir=".") -> list[str]:
     """Why this checkout cannot reproduce the manifest's run (empty list: it can)."""
     base = Path(basedir)
+    config = as_settings(config)
     problems = []
     want_tok = manifest.get("tokenizer", {})
-    tok = config.get("tokenizer", {})
     for key in ("path", "revision", "chat_template", "trust_remote_code"):
-        if want_tok.get(key) != tok.get(key, False if key == "trust_remote_code" else None):
-            problems.append(
-                f"tokenizer.{key}: manifest {want_tok.get(key)!r}, config {tok.get(key)!r}"
-            )
+        have = getattr(config.tokenizer, key)
+        if want_tok.get(key) != have:
+            problems.append(f"tokenizer.{key}: manifest {want_tok.get(key)!r}, config {have!r}")
     problems += _diff_files(
         "tokenizer file", want_tok.get("files", []), _tokenizer_files(config, base)
     )
@@ -367,11 +368,11 @@ def check_reproducible(manifest: dict, config: dict, basedir=".") -> list[str]:
             problems.append(f"hub sources of {cat}: manifest {hub_w}, config {hub_h}")
     for cat in sorted(set(have_inputs) - set(manifest.get("inputs", {}))):
         problems.append(f"category {cat}: in the config, not in the manifest")
-    model, gen = manifest.get("model", {}), config.get("generation", {})
-    if model.get("id") != gen.get("model") or model.get("revision") != gen.get("revision"):
+    model, gen = manifest.get("model", {}), config.generation
+    if model.get("id") != gen.model or model.get("revision") != gen.revision:
         problems.append(
             f"model: manifest {model.get('id')}@{model.get('revision')}, "
-            f"config {gen.get('model')}@{gen.get('revision')}"
+            f"config {gen.model}@{gen.revision}"
         )
     return problems
 
@@ -452,8 +453,6 @@ def main(argv: list[str]) -> int:
         help="with --compare: exit 0 even when outputs differ (the report says how)",
     )
     args = parser.parse_args(argv)
-    from tokenmill.cli import json_arg
-
     tmp = contracts.atomic_path(args.out)
     if args.compare:
         manifest = json.loads(Path(args.compare).read_text())
@@ -471,7 +470,11 @@ def main(argv: list[str]) -> int:
         return 0 if report["ok"] or args.report_only else 1
     if not args.config_json:
         parser.error("--config-json is required")
-    config = json_arg(args.config_json)
+    try:
+        config = load_section(args.config_json, None)
+    except ConfigError as exc:
+        print(f"tokenmill provenance: --config-json: {exc}", file=sys.stderr)
+        return 1
     configfiles = list(args.configfiles)
     if args.configfiles_json:
         configfiles += json.loads(args.configfiles_json)

@@ -12,22 +12,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import yaml
 
 from tokenmill.keys import generation_fingerprint
 from tokenmill.provenance.manifest import check_reproducible
+from tokenmill.settings import ConfigError, Settings, as_settings
 
 
 def load_manifest(path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def reproduce_problems(manifest: dict, config: dict, basedir=".") -> list[str]:
+def reproduce_problems(manifest: dict, config: Settings | dict, basedir=".") -> list[str]:
+    config = as_settings(config)
     problems = check_reproducible(manifest, config, basedir)
     want = manifest.get("generation", {}).get("fingerprint")
-    have = generation_fingerprint(config.get("generation", {}))
+    have = generation_fingerprint(config.generation)
     if want and want != have:
         problems.append(
             "generation fingerprint (model, sampling, stop tokens, seed policy, launch flags): "
@@ -37,6 +40,8 @@ def reproduce_problems(manifest: dict, config: dict, basedir=".") -> list[str]:
 
 
 def reproduce_config(manifest_path, results_dir: str | None = None) -> dict:
+    """The manifest's resolved config, pointed at the manifest; checked against the schema
+    (ConfigError names the key of a manifest this version cannot run)."""
     manifest = load_manifest(manifest_path)
     config = json.loads(json.dumps(manifest["config"]["resolved"]))
     config["reproduce"] = str(manifest_path)
@@ -44,6 +49,7 @@ def reproduce_config(manifest_path, results_dir: str | None = None) -> dict:
         config["results_dir"] = results_dir
         # A fresh journal: reproducing means generating again, not reading the old samples.
         config["journal_dir"] = str(Path(results_dir) / "journal")
+    Settings.from_config(config)
     return config
 
 
@@ -53,7 +59,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--results-dir", help="output folder (default: as published)")
     args = parser.parse_args(argv)
-    config = reproduce_config(args.provenance, args.results_dir)
+    try:
+        config = reproduce_config(args.provenance, args.results_dir)
+    except ConfigError as exc:
+        print(f"tokenmill reproduce-config: {args.provenance}: {exc}", file=sys.stderr)
+        return 1
     Path(args.out).write_text(yaml.safe_dump(config, sort_keys=True))
     print(f"wrote {args.out}")
     return 0

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tokenmill.contracts import sha256_file
 from tokenmill.provenance.manifest import output_paths
+from tokenmill.settings import ConfigError, load_section
 
 
 def verify(manifest: dict, directory) -> tuple[list[str], list[str]]:
@@ -29,7 +30,7 @@ def verify(manifest: dict, directory) -> tuple[list[str], list[str]]:
             errors.append(f"size differs: {path} (expected {e['size']}, found {p.stat().st_size})")
         elif sha256_file(p) != e["sha256"]:
             errors.append(f"sha256 differs: {path} (expected {e['sha256']})")
-    config = manifest.get("config", {}).get("resolved", {})
+    config = load_section(manifest.get("config", {}).get("resolved", {}), None)
     for rel in output_paths(d, config, d / "provenance.json") if d.is_dir() else []:
         if rel not in listed:
             warnings.append(f"unexpected extra file: {rel}")
@@ -49,7 +50,11 @@ def main(argv: list[str]) -> int:
         here = prov.parent
         directory = here if first is None or (here / first["path"]).exists() else None
         directory = directory or Path(manifest.get("results_dir", here))
-    errors, warnings = verify(manifest, directory)
+    try:
+        errors, warnings = verify(manifest, directory)
+    except ConfigError as exc:
+        print(f"{prov}: config.resolved: {exc}")
+        return 1
     for w in warnings:
         print(f"warning: {w}")
     for e in errors:

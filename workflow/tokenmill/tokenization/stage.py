@@ -64,14 +64,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokenmill import contracts
-from tokenmill.cli import json_arg
 from tokenmill.contracts import (  # the shard metadata keys (generate/stage.py reads them here)
     META_MAX_PROMPT_TOKENS,
     META_NUM_SHARDS,
-    META_PROMPT_TOKENS,
     META_STOP_TOKEN_IDS,
     META_STOP_TOKENS,
 )
+from tokenmill.settings import TokenizerSettings, as_section, load_section, thaw
 from tokenmill.tokenization import shards
 
 STAGE = "tokenize"
@@ -223,18 +222,12 @@ class Encoder:
         return out["input_ids"]
 
     def _encode_generic(self, parsed, errors):
+        from tokenmill.tokenization.conversations import render
+
         out = []
         for i, messages, tools in parsed:
             try:
-                ids = self.tokenizer.apply_chat_template(
-                    messages,
-                    tools=tools,
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=False,
-                    **self.kwargs,
-                )
-                ids = [int(x) for x in ids]
+                ids = render(self.tokenizer, messages, tools, True, self.kwargs)
             except Exception as exc:  # noqa: BLE001 - any template failure rejects one prompt
                 errors[i] = (TEMPLATE_ERROR, _detail(exc))
                 continue
@@ -246,13 +239,14 @@ class Encoder:
 _WORKER_ENCODER: Encoder | None = None
 
 
-def _init_worker(tok_cfg: dict, basedir: str) -> None:
+def _init_worker(tok_raw: dict, basedir: str) -> None:
     global _WORKER_ENCODER
     # The parent's cores are shared between workers: no nested Rust thread pools.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenmill.tokenization.tokenizer import load_tokenizer
 
-    _WORKER_ENCODER = Encoder(load_tokenizer(tok_cfg, basedir), tok_cfg.get("chat_template_kwargs"))
+    tok = as_section(tok_raw, "tokenizer")
+    _WORKER_ENCODER = Encoder(load_tokenizer(tok, basedir), thaw(tok.chat_template_kwargs))
 
 
 def _worker_encode(rows):
@@ -264,7 +258,29 @@ def _worker_encode(rows):
 # Shards: buffered rows -> row groups (a rule that depends on the shard's rows only) -> spill
 
 
-class ShardSpill:
+@dataclass
+class ShardCounts:
+    """One shard's prompt rows, in = kept + rejected (a row without a shard, invalid_prompt_id,
+    counts in the category's totals only), and the prompt tokens it keeps."""
+
+    records_in: int = 0
+    kept: int = 0
+    rejected: int = 0
+    tokens: int = 0
+
+    def metadata(self, common_meta: dict, shard: int) -> dict:
+        """The shard file's metadata: the category's, the shard and its counts."""
+        name = shards.shard_name(shard)
+        what = f"tokenize {common_meta[contracts.META_CATEGORY]}/{name}"
+        return {
+            **common_meta,
+            contracts.META_SHARD: name,
+            **contracts.count_metadata(self.records_in, self.kept, self.rejected, what=what),
+            contracts.META_PROMPT_TOKENS: str(self.tokens),
+        }
+
+
+class ShardSpill(ShardCounts):
     """One shard's kept rows: buffered, cut into row groups, each spilled to an Arrow IPC file.
 
     One small file per row group, opened and closed at once: thousands of shards never hold
@@ -272,15 +288,12 @@ class ShardSpill:
     """
 
     def __init__(self, spill_dir: Path, shard: int):
+        super().__init__()
         self._prefix = spill_dir / shards.shard_name(shard)
         self._files: list[Path] = []
         self._buffer: list[pa.Table] = []
         self._rows = 0
         self._tokens = 0
-        self.kept = 0
-        self.tokens = 0
-        self.records_in = 0
-        self.rejected = 0
 
     def add(self, table: pa.Table) -> None:
         self._buffer.append(table)
@@ -363,7 +376,76 @@ def _record_json(messages_json, tools_json) -> str:
     return contracts.canonical_json({"messages": load(messages_json), "tools": load(tools_json)})
 
 
-def _chunk_results(batches, encoder: Encoder | None, workers: int, tok_cfg: dict, basedir):
+class Rows:
+    """What prompt rows and conversation rows share: the checks of every row in order (sorted by
+    prompt_id, a shard, not a duplicate; then, once encoded, not empty and not too long), the
+    counts (the category's Summary and every shard's in = kept + rejected), and the rejected
+    rows, written to the rejected file in groups."""
+
+    def __init__(self, summary, counts: list[ShardCounts], max_prompt_tokens: int, writer):
+        self.summary, self.counts, self.writer = summary, counts, writer
+        self.max_prompt_tokens = max_prompt_tokens
+        self.previous: str | None = None
+        self.rejected: list[dict] = []
+
+    def admit(self, pid: str) -> tuple[int, str | None, str | None]:
+        """(shard or -1, reason, detail) of the next row; raises on unsorted input."""
+        self.summary.records_in += 1
+        if self.previous is not None and pid < self.previous:
+            raise TokenizeError(
+                f"prompts file is not sorted by prompt_id: '{pid}' after '{self.previous}' "
+                f"(row {self.summary.records_in - 1})"
+            )
+        shard, reason, detail = -1, None, None
+        try:
+            shard = shards.shard_of(pid, len(self.counts))
+        except ValueError as exc:
+            reason, detail = INVALID_PROMPT_ID, str(exc)
+        if shard >= 0:
+            self.counts[shard].records_in += 1
+        if reason is None and pid == self.previous:
+            reason, detail = DUPLICATE_PROMPT_ID, "the same prompt_id appears more than once"
+        self.previous = pid
+        return shard, reason, detail
+
+    def length_reason(self, n: int, where: str = "") -> tuple[str | None, str | None]:
+        if n == 0:
+            return EMPTY_PROMPT, "the chat template rendered no tokens"
+        if n > self.max_prompt_tokens:
+            return (
+                TOO_LONG,
+                f"{where}{n} prompt tokens > max_prompt_tokens {self.max_prompt_tokens}",
+            )
+        return None, None
+
+    def reject(self, shard, reason, detail, source, pid, messages_json, tools_json) -> None:
+        self.summary.rejected += 1
+        self.summary.reasons[reason] += 1
+        if shard >= 0:
+            self.counts[shard].rejected += 1
+        record = _record_json(messages_json, tools_json)
+        category = self.summary.category
+        self.rejected.append(
+            contracts.rejected_row(STAGE, category, reason, detail, source, pid, record)
+        )
+
+    def kept(self, tokens: int, rows: int = 1) -> None:
+        self.summary.kept += rows
+        self.summary.prompt_tokens += tokens
+
+    def flush(self, min_rows: int = REJECTED_GROUP_ROWS) -> None:
+        """Write the rejected rows held once there are `min_rows` (0: all, and an empty file)."""
+        if len(self.rejected) >= min_rows and (self.rejected or self.writer.rows == 0):
+            self.writer.write(contracts.rejected_table(self.rejected))
+            self.rejected = []
+
+    def finish(self) -> None:
+        self.flush(0)
+        s = self.summary
+        contracts.check_conservation(f"tokenize {s.category}", s.records_in, s.kept, s.rejected)
+
+
+def _chunk_results(batches, encoder: Encoder | None, workers: int, tok, basedir):
     """(batch, ChunkResult) in input order; with workers > 1 a bounded number in flight."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -378,7 +460,7 @@ def _chunk_results(batches, encoder: Encoder | None, workers: int, tok_cfg: dict
             max_workers=workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_init_worker,
-            initargs=(tok_cfg, str(basedir)),
+            initargs=(tok.raw, str(basedir)),  # a plain dict: settings do not pickle
         )
         submit, in_flight = _worker_encode, 2 * workers
     with pool:
@@ -403,7 +485,7 @@ def tokenize_category(
     prompts: str | os.PathLike,
     category: str,
     num_shards: int,
-    tok_cfg: dict,
+    tok_cfg: TokenizerSettings | dict,
     max_prompt_tokens: int,
     out_dir: str | os.PathLike,
     rejected_path: str | os.PathLike,
@@ -425,21 +507,22 @@ def tokenize_category(
         tokenizer_fingerprint,
     )
 
+    tok = as_section(tok_cfg, "tokenizer")
     if num_shards < 1:
         raise TokenizeError(f"--shards must be >= 1, got {num_shards}")
     if max_prompt_tokens < 1:
         raise TokenizeError(f"--max-prompt-tokens must be >= 1, got {max_prompt_tokens}")
     start = time.monotonic()
     if tokenizer is None:
-        tokenizer = load_tokenizer(tok_cfg, basedir)
-    fingerprint, _ = tokenizer_fingerprint(tok_cfg, basedir, tokenizer)
+        tokenizer = load_tokenizer(tok, basedir)
+    fingerprint, _ = tokenizer_fingerprint(tok, basedir, tokenizer)
     vocab, vocab_source = model_vocab
     if vocab is not None and len(tokenizer) > vocab:
         raise TokenizeError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab} "
             f"({vocab_source}): tokenizer.path and generation.model do not belong together"
         )
-    encoder = Encoder(tokenizer, tok_cfg.get("chat_template_kwargs"))
+    encoder = Encoder(tokenizer, thaw(tok.chat_template_kwargs))
     summary = Summary(category, fingerprint)
 
     out_dir = Path(out_dir)
@@ -461,12 +544,12 @@ def tokenize_category(
             raise TokenizeError(f"generation.stop_tokens: {exc}") from None
         common_meta[META_STOP_TOKENS] = json.dumps(stop_tokens, ensure_ascii=False)
         common_meta[META_STOP_TOKEN_IDS] = json.dumps(stop_ids)
-    if contracts.read_metadata(prompts).get(contracts.META_CONTEXT) == "regenerated":
+    if contracts.is_regenerated(prompts):
         shutil.rmtree(spill_dir, ignore_errors=True)
-        common_meta[contracts.META_CONTEXT] = "regenerated"
+        common_meta[contracts.META_CONTEXT] = contracts.CONTEXT_REGENERATED
         return _tokenize_conversations(
-            pf, tokenizer, tok_cfg, common_meta, summary, num_shards, max_prompt_tokens,
-            out_dir, rejected_path, stop_tokens, think_end_token, start,
+            pf, tokenizer, tok, common_meta, summary, num_shards, max_prompt_tokens,
+            out_dir, rejected_path, think_end_token, start,
         )  # fmt: skip
     try:
         spills = [ShardSpill(spill_dir, i) for i in range(num_shards)]
@@ -474,44 +557,30 @@ def tokenize_category(
             rejected_path, contracts.REJECTED, STAGE, common_meta
         )
         with rejected_writer:
-            rejected_rows: list[dict] = []
-            previous: str | None = None
+            rows = Rows(summary, spills, max_prompt_tokens, rejected_writer)
             batches = pf.iter_batches(
                 batch_size=chunk_rows, columns=["prompt_id", "source", "messages", "tools"]
             )
-            results = _chunk_results(batches, encoder, workers, tok_cfg, basedir)
+            results = _chunk_results(batches, encoder, workers, tok, basedir)
             last_report = time.monotonic()
             # closing: an error here shuts the encoding pool down at once, not at GC time.
             with contextlib.closing(results):
                 for batch, result in results:
                     if vocab is not None:
                         _check_vocab(batch, result, vocab, vocab_source)
-                    previous = _route(
-                        batch, result, previous, num_shards, max_prompt_tokens, category,
-                        spills, rejected_rows, summary,
-                    )  # fmt: skip
-                    if len(rejected_rows) >= REJECTED_GROUP_ROWS:
-                        rejected_writer.write(contracts.rejected_table(rejected_rows))
-                        rejected_rows = []
+                    _route(batch, result, rows, spills)
+                    rows.flush()
                     if time.monotonic() - last_report > 30:
                         last_report = time.monotonic()
                         print(f"tokenize {category}: {summary.records_in} prompts", flush=True)
-            if rejected_rows or rejected_writer.rows == 0:
-                rejected_writer.write(contracts.rejected_table(rejected_rows))
+            rows.finish()
         for i, spill in enumerate(spills):
             spill.finish()
-            meta = dict(common_meta)
-            meta.update(
-                {
-                    contracts.META_SHARD: shards.shard_name(i),
-                    contracts.META_RECORDS_IN: str(spill.records_in),
-                    contracts.META_KEPT: str(spill.kept),
-                    contracts.META_REJECTED: str(spill.rejected),
-                    META_PROMPT_TOKENS: str(spill.tokens),
-                }
-            )
             writer = contracts.ParquetWriter(
-                shards.shard_path(out_dir, i), contracts.TOKENIZED, STAGE, meta
+                shards.shard_path(out_dir, i),
+                contracts.TOKENIZED,
+                STAGE,
+                spill.metadata(common_meta, i),
             )
             with writer:
                 for batch in spill.row_groups():
@@ -535,68 +604,30 @@ def _check_vocab(batch, result: ChunkResult, vocab: int, source: str) -> None:
         )
 
 
-def _route(
-    batch, result, previous, num_shards, max_prompt_tokens, category, spills, rejected, summary
-):
-    """Check order, assign shards, reject, and hand kept rows to their shard. Returns last id."""
+def _route(batch, result, rows: Rows, spills: list[ShardSpill]) -> None:
+    """Check every row of a batch (Rows), reject, and hand kept rows to their shard."""
     ids = batch.column("prompt_id").to_pylist()
     n = len(ids)
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(result.lengths, out=offsets[1:])
     shard_arr = np.full(n, -1, dtype=np.int64)
     keep = np.zeros(n, dtype=bool)
-    sources = None
     for i, pid in enumerate(ids):
-        summary.records_in += 1
-        reason = detail = None
-        if previous is not None and pid < previous:
-            raise TokenizeError(
-                f"prompts file is not sorted by prompt_id: '{pid}' after '{previous}' "
-                f"(row {summary.records_in - 1})"
-            )
-        try:
-            shard_arr[i] = shards.shard_of(pid, num_shards)
-        except ValueError as exc:
-            reason, detail = INVALID_PROMPT_ID, str(exc)
-        if shard_arr[i] >= 0:
-            spills[shard_arr[i]].records_in += 1
-        if reason is None and pid == previous:
-            reason, detail = DUPLICATE_PROMPT_ID, "the same prompt_id appears more than once"
-        elif reason is None and i in result.errors:
+        shard_arr[i], reason, detail = rows.admit(pid)
+        if reason is None and i in result.errors:
             reason, detail = result.errors[i]
-        elif reason is None and result.lengths[i] == 0:
-            reason, detail = EMPTY_PROMPT, "the chat template rendered no tokens"
-        elif reason is None and result.lengths[i] > max_prompt_tokens:
-            reason = TOO_LONG
-            detail = (
-                f"{int(result.lengths[i])} prompt tokens > max_prompt_tokens {max_prompt_tokens}"
-            )
-        previous = pid
+        if reason is None:
+            reason, detail = rows.length_reason(int(result.lengths[i]))
         if reason is None:
             keep[i] = True
             continue
-        if sources is None:
-            sources = batch.column("source")
-        summary.rejected += 1
-        summary.reasons[reason] += 1
-        if shard_arr[i] >= 0:
-            spills[shard_arr[i]].rejected += 1
-        rejected.append(
-            {
-                "stage": STAGE,
-                "category": category,
-                "reason": reason,
-                "detail": detail,
-                "source": sources[i].as_py(),
-                "prompt_id": pid,
-                "record": _record_json(
-                    batch.column("messages")[i].as_py(), batch.column("tools")[i].as_py()
-                ),
-            }
-        )
+        rows.reject(
+            int(shard_arr[i]), reason, detail, batch.column("source")[i].as_py(), pid,
+            batch.column("messages")[i].as_py(), batch.column("tools")[i].as_py(),
+        )  # fmt: skip
     kept_idx = np.flatnonzero(keep)
     if not len(kept_idx):
-        return previous
+        return
     lengths = result.lengths[kept_idx]
     list_offsets = np.zeros(len(kept_idx) + 1, dtype=np.int64)
     np.cumsum(lengths, out=list_offsets[1:])
@@ -615,8 +646,7 @@ def _route(
         },
         schema=contracts.TOKENIZED,
     )
-    summary.kept += len(kept_idx)
-    summary.prompt_tokens += int(lengths.sum())
+    rows.kept(int(lengths.sum()), len(kept_idx))
     kept_shards = shard_arr[kept_idx]
     order = np.argsort(kept_shards, kind="stable")
     table = table.take(pa.array(order))
@@ -626,7 +656,6 @@ def _route(
         np.concatenate([[0], bounds]), np.concatenate([bounds, [len(order)]]), strict=True
     ):
         spills[int(sorted_shards[lo])].add(table.slice(int(lo), int(hi - lo)))
-    return previous
 
 
 # ---------------------------------------------------------------------------------------------
@@ -634,18 +663,20 @@ def _route(
 
 
 def _tokenize_conversations(
-    pf, tokenizer, tok_cfg, common_meta, summary, num_shards, max_prompt_tokens, out_dir,
-    rejected_path, stop_tokens, think_end_token, start,
+    pf, tokenizer, tok, common_meta, summary, num_shards, max_prompt_tokens, out_dir,
+    rejected_path, think_end_token, start,
 ) -> Summary:  # fmt: skip
-    """One TOKENIZED_CONVERSATIONS row per conversation, in the shard of its prompt_id. Rows
-    are rendered one conversation at a time (apply_chat_template once per turn, and once more
-    per dataset answer) and held in memory per shard: conversation categories are small next
-    to prompt categories. The template's prefix-exactness (tokenization/conversations.py) goes
+    """One TOKENIZED_CONVERSATIONS row per conversation, in the shard of its prompt_id: the
+    variant of the prompt path that encodes a whole conversation per row (checks, counts,
+    rejected rows and shard metadata are the prompt path's: Rows, ShardCounts). Rows are
+    rendered one conversation at a time (apply_chat_template once per turn, and once more per
+    dataset answer) and held in memory per shard: conversation categories are small next to
+    prompt categories. The template's prefix-exactness (tokenization/conversations.py) goes
     into every shard's metadata next to the tokenizer fingerprint."""
     from tokenmill.tokenization import conversations as conv
     from tokenmill.tokenization.tokenizer import resolve_token_ids
 
-    kwargs = dict(tok_cfg.get("chat_template_kwargs") or {})
+    kwargs = thaw(tok.chat_template_kwargs)
     if common_meta.get(META_STOP_TOKEN_IDS):
         stop_ids = json.loads(common_meta[META_STOP_TOKEN_IDS])
     elif tokenizer.eos_token_id is not None:
@@ -661,84 +692,52 @@ def _tokenize_conversations(
         common_meta[contracts.META_THINK_END_ID] = str(think_end_id)
     exact = conv.template_prefix_exact(tokenizer, kwargs, stop_ids, think_end_id)
     common_meta[contracts.META_PREFIX_EXACT] = "true" if exact else "false"
-    rows: list[list[dict]] = [[] for _ in range(num_shards)]
-    counts = [collections.Counter() for _ in range(num_shards)]
-    rejected: list[dict] = []
-    previous = None
+    kept: list[list[dict]] = [[] for _ in range(num_shards)]
+    counts = [ShardCounts() for _ in range(num_shards)]
     cols = ["prompt_id", "source", "messages", "tools"]
-    for batch in pf.iter_batches(batch_size=CHUNK_ROWS, columns=cols):
-        for pid, source, messages_json, tools_json in zip(
-            *(batch.column(c).to_pylist() for c in cols), strict=True
-        ):
-            summary.records_in += 1
-            if previous is not None and pid < previous:
-                raise TokenizeError(f"prompts file is not sorted by prompt_id: '{pid}'")
-            reason = detail = None
-            shard = -1
-            try:
-                shard = shards.shard_of(pid, num_shards)
-            except ValueError as exc:
-                reason, detail = INVALID_PROMPT_ID, str(exc)
-            if shard >= 0:
-                counts[shard]["records_in"] += 1
-            pieces = None
-            if reason is None and pid == previous:
-                reason, detail = DUPLICATE_PROMPT_ID, "the same prompt_id appears more than once"
-            elif reason is None:
-                try:
-                    messages, tools = Encoder._parse(messages_json, tools_json)
-                except (ValueError, TypeError) as exc:
-                    reason, detail = INVALID_RECORD, _detail(exc)
-                else:
+    with contracts.ParquetWriter(rejected_path, contracts.REJECTED, STAGE, common_meta) as w:
+        rows = Rows(summary, counts, max_prompt_tokens, w)
+        for batch in pf.iter_batches(batch_size=CHUNK_ROWS, columns=cols):
+            for pid, source, messages_json, tools_json in zip(
+                *(batch.column(c).to_pylist() for c in cols), strict=True
+            ):
+                shard, reason, detail = rows.admit(pid)
+                pieces = None
+                if reason is None:
+                    try:
+                        messages, tools = Encoder._parse(messages_json, tools_json)
+                    except (ValueError, TypeError) as exc:
+                        reason, detail = INVALID_RECORD, _detail(exc)
+                if reason is None:
                     try:
                         pieces = conv.conversation_pieces(
                             tokenizer, messages, tools, kwargs, stop_ids, exact
                         )
                     except Exception as exc:  # noqa: BLE001 - the template failed: one row
                         reason, detail = TEMPLATE_ERROR, _detail(exc)
-            if pieces is not None and not pieces["prompt_ids"]:
-                reason, detail = EMPTY_PROMPT, "the chat template rendered no tokens"
-            elif pieces is not None and len(pieces["prompt_ids"]) > max_prompt_tokens:
-                n = len(pieces["prompt_ids"])
-                reason = TOO_LONG
-                detail = f"turn 1: {n} prompt tokens > max_prompt_tokens {max_prompt_tokens}"
-            previous = pid
-            if reason is not None:
-                summary.rejected += 1
-                summary.reasons[reason] += 1
-                if shard >= 0:
-                    counts[shard]["rejected"] += 1
-                rejected.append(
-                    {"stage": STAGE, "category": common_meta[contracts.META_CATEGORY],
-                     "reason": reason, "detail": detail, "source": source, "prompt_id": pid,
-                     "record": _record_json(messages_json, tools_json)}
+                if reason is None:
+                    n = len(pieces["prompt_ids"])
+                    reason, detail = rows.length_reason(n, "turn 1: ")
+                if reason is not None:
+                    rows.reject(shard, reason, detail, source, pid, messages_json, tools_json)
+                    continue
+                rows.kept(n)
+                counts[shard].kept += 1
+                counts[shard].tokens += n
+                kept[shard].append(
+                    {"prompt_id": pid, "num_prompt_tokens": n, "messages": messages_json,
+                     "tools": tools_json, **pieces}
                 )  # fmt: skip
-                continue
-            n = len(pieces["prompt_ids"])
-            summary.kept += 1
-            summary.prompt_tokens += n
-            counts[shard]["kept"] += 1
-            counts[shard]["tokens"] += n
-            rows[shard].append(
-                {"prompt_id": pid, "num_prompt_tokens": n, "messages": messages_json,
-                 "tools": tools_json, **pieces}
-            )  # fmt: skip
-    with contracts.ParquetWriter(rejected_path, contracts.REJECTED, STAGE, common_meta) as w:
-        w.write(contracts.rejected_table(rejected))
+            rows.flush()
+        rows.finish()
     for i in range(num_shards):
-        meta = dict(common_meta)
-        meta.update(
-            {
-                contracts.META_SHARD: shards.shard_name(i),
-                contracts.META_RECORDS_IN: str(counts[i]["records_in"]),
-                contracts.META_KEPT: str(counts[i]["kept"]),
-                contracts.META_REJECTED: str(counts[i]["rejected"]),
-                META_PROMPT_TOKENS: str(counts[i]["tokens"]),
-            }
-        )
-        table = pa.Table.from_pylist(rows[i], schema=contracts.TOKENIZED_CONVERSATIONS)
+        table = pa.Table.from_pylist(kept[i], schema=contracts.TOKENIZED_CONVERSATIONS)
         contracts.write_table(
-            table, shards.shard_path(out_dir, i), contracts.TOKENIZED_CONVERSATIONS, STAGE, meta
+            table,
+            shards.shard_path(out_dir, i),
+            contracts.TOKENIZED_CONVERSATIONS,
+            STAGE,
+            counts[i].metadata(common_meta, i),
         )
     summary.seconds = time.monotonic() - start
     return summary
@@ -746,13 +745,6 @@ def _tokenize_conversations(
 
 # ---------------------------------------------------------------------------------------------
 # Command line
-
-
-def _json_arg(value: str) -> dict:
-    try:
-        return json_arg(value, "--tokenizer-config")
-    except ValueError as exc:
-        raise TokenizeError(str(exc)) from None
 
 
 def _stop_tokens_arg(value: str | None) -> list | None:
@@ -823,9 +815,9 @@ def main(argv: list[str]) -> int:
         os.environ.setdefault("RAYON_NUM_THREADS", str(cores))
         from tokenmill.tokenization.tokenizer import load_tokenizer
 
-        tok_cfg = _json_arg(args.tokenizer_config)
+        tok = load_section(args.tokenizer_config, "tokenizer")  # ConfigError names the key
         stop_tokens = _stop_tokens_arg(args.stop_tokens)
-        tokenizer = load_tokenizer(tok_cfg, args.basedir)
+        tokenizer = load_tokenizer(tok, args.basedir)
         model_vocab: tuple[int | None, str] = (None, "")
         if args.model:
             from tokenmill.model import model_vocab_size
@@ -838,7 +830,7 @@ def main(argv: list[str]) -> int:
             args.prompts,
             args.category,
             args.shards,
-            tok_cfg,
+            tok,
             args.max_prompt_tokens,
             args.out_dir,
             args.rejected,

@@ -7,22 +7,24 @@ import os
 from pathlib import Path
 
 from tokenmill.contracts import canonical_json, sha256_file
+from tokenmill.settings import TokenizerSettings, as_section
 
 
-def load_tokenizer(cfg: dict, basedir: str | os.PathLike = "."):
+def load_tokenizer(cfg: TokenizerSettings | dict, basedir: str | os.PathLike = "."):
     """AutoTokenizer for the `tokenizer:` config section (path, revision, remote code, template)."""
+    cfg = as_section(cfg, "tokenizer")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     from transformers import AutoTokenizer
 
-    path = cfg["path"]
+    path = cfg.path
     local = Path(basedir) / path
     tok = AutoTokenizer.from_pretrained(
         str(local) if local.exists() else path,
-        revision=cfg.get("revision"),
-        trust_remote_code=bool(cfg.get("trust_remote_code", False)),
+        revision=cfg.revision,
+        trust_remote_code=cfg.trust_remote_code,
     )
-    if cfg.get("chat_template"):
-        tok.chat_template = (Path(basedir) / cfg["chat_template"]).read_text()
+    if cfg.chat_template:
+        tok.chat_template = (Path(basedir) / cfg.chat_template).read_text()
     return tok
 
 
@@ -71,43 +73,45 @@ def tokenizer_files(directory: str | os.PathLike) -> list[dict]:
     return files
 
 
-def tokenizer_dir(cfg: dict, basedir: str | os.PathLike = ".") -> Path:
+def tokenizer_dir(cfg: TokenizerSettings | dict, basedir: str | os.PathLike = ".") -> Path:
     """The directory holding the tokenizer's files: the local path, or the hub snapshot.
 
     A hub id must already be in the local Hugging Face cache (load the tokenizer first).
     """
-    local = Path(basedir) / cfg["path"]
+    cfg = as_section(cfg, "tokenizer")
+    local = Path(basedir) / cfg.path
     if local.is_dir():
         return local
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(
-            snapshot_download(cfg["path"], revision=cfg.get("revision"), local_files_only=True)
-        )
+        return Path(snapshot_download(cfg.path, revision=cfg.revision, local_files_only=True))
     except Exception as exc:  # noqa: BLE001 - re-raised with what was looked for
         raise FileNotFoundError(
-            f"tokenizer '{cfg['path']}' (revision {cfg.get('revision')}) is neither a local "
+            f"tokenizer '{cfg.path}' (revision {cfg.revision}) is neither a local "
             f"directory under {basedir} nor in the Hugging Face cache: {exc}"
         ) from exc
 
 
-def tokenizer_fingerprint(cfg: dict, basedir: str | os.PathLike = ".", tokenizer=None):
+def tokenizer_fingerprint(
+    cfg: TokenizerSettings | dict, basedir: str | os.PathLike = ".", tokenizer=None
+):
     """(sha256 hex, files) of everything that decides how a conversation becomes token ids.
 
     Covers the tokenizer files (name + sha256, weights excluded), the revision, remote code, the
     effective chat template (after a configured override) and chat_template_kwargs. Not the
     path: the same files elsewhere tokenize the same way. `files` is for the provenance.
     """
+    cfg = as_section(cfg, "tokenizer")
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg, basedir)
     files = tokenizer_files(tokenizer_dir(cfg, basedir))
     material = {
         "files": [[f["name"], f["sha256"]] for f in files],
-        "revision": cfg.get("revision"),
-        "trust_remote_code": bool(cfg.get("trust_remote_code", False)),
+        "revision": cfg.revision,
+        "trust_remote_code": cfg.trust_remote_code,
         # str, or a dict of named templates for tokenizers that ship several.
         "chat_template": getattr(tokenizer, "chat_template", None),
-        "chat_template_kwargs": cfg.get("chat_template_kwargs") or {},
+        "chat_template_kwargs": cfg.raw["chat_template_kwargs"],
     }
     return hashlib.sha256(canonical_json(material).encode()).hexdigest(), files

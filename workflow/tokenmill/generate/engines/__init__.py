@@ -6,6 +6,7 @@ from __future__ import annotations
 from tokenmill.generate.engines.base import BadResponse, EngineAPI, error_message
 from tokenmill.generate.engines.sglang import SGLangAPI
 from tokenmill.generate.engines.vllm import VLLMAPI
+from tokenmill.settings import GenerationSettings, as_section
 
 ENGINES: dict[str, type[EngineAPI]] = {"sglang": SGLangAPI, "vllm": VLLMAPI}
 
@@ -21,17 +22,20 @@ def get(name: str | None) -> type[EngineAPI]:
         ) from None
 
 
-def for_config(gen: dict) -> EngineAPI:
-    return get(gen.get("engine"))(gen)
+def for_config(gen: GenerationSettings | dict) -> EngineAPI:
+    gen = as_section(gen, "generation")
+    return get(gen.engine)(gen)
 
 
-def validate(gen: dict) -> None:
+def validate(gen: GenerationSettings | dict) -> None:
     """Check generation.sampling against the configured engine (managed: its launch flags)."""
-    api = get(gen.get("engine"))
-    command = (gen.get("launch") or {}).get("command") if gen.get("mode") != "external" else None
-    api.validate_sampling(gen.get("sampling") or {}, api.skip_tokenizer_init(command))
+    gen = as_section(gen, "generation")
+    api = get(gen.engine)
+    command = list(gen.launch.command or []) if gen.managed else None
+    api.validate_sampling(gen.raw["sampling"], api.skip_tokenizer_init(command))
 
 
-def validate_launch(gen: dict) -> None:
+def validate_launch(gen: GenerationSettings | dict) -> None:
     """Check the launch settings against the rest of the generation config."""
-    get(gen.get("engine")).validate_launch(gen)
+    gen = as_section(gen, "generation")
+    get(gen.engine).validate_launch(gen)

@@ -14,6 +14,8 @@ import re
 
 import aiohttp
 
+from tokenmill.settings import GenerationSettings, as_section
+
 # 400 messages that blame the prompt itself (it can never be answered with this model and
 # config): the only 400s journaled as final rejections. Every other 400 (a duplicate request
 # id, a sampling value some version refuses, ...) is retried a bounded number of times and
@@ -82,9 +84,9 @@ class EngineAPI:
     # Environment defaults for a managed engine process (launch.env overrides them).
     default_env: dict[str, str] = {}
 
-    def __init__(self, gen: dict | None = None):
-        self.gen = gen or {}
-        self.launch_command = list((self.gen.get("launch") or {}).get("command") or [])
+    def __init__(self, gen: GenerationSettings | dict | None = None):
+        self.gen = as_section(gen or {}, "generation")  # {}: the schema's defaults
+        self.launch_command = list(self.gen.launch.command or [])
         self.served_model: dict[str, str] = {}  # url -> model name to put in requests
 
     # ---- configuration ----
@@ -98,7 +100,7 @@ class EngineAPI:
         raise NotImplementedError
 
     @staticmethod
-    def validate_launch(gen: dict) -> None:
+    def validate_launch(gen: GenerationSettings) -> None:
         """Raise ValueError for launch settings that cannot work with the rest of the config."""
 
     def server_skips_tokenizer(self, server_info: dict) -> bool:
@@ -129,10 +131,10 @@ class EngineAPI:
         return bool(PROMPT_AT_FAULT.search(message or "")) and not DUPLICATE_RID.search(message)
 
     # ---- checks against the running server (before the first request) ----
-    def check_server(self, gen: dict, server_info: dict, url: str) -> dict:
+    def check_server(self, gen: GenerationSettings, server_info: dict, url: str) -> dict:
         """Raise ValueError (naming the key and the server) for a config this running server
         cannot honour; else notes for the meta ({"seeds_honoured": bool|None, ...})."""
-        per_sample = gen.get("seed_policy") == "per_sample"
+        per_sample = gen.seed_policy == "per_sample"
         return {"seeds_honoured": True if per_sample else None}
 
     # ---- identity ----

@@ -14,6 +14,7 @@ import aiohttp
 
 from tokenmill.generate.engines.base import BadResponse, EngineAPI, get_json, has_flag
 from tokenmill.generate.engines.base import error_message as error_message
+from tokenmill.settings import GenerationSettings
 
 # SamplingParams fields accepted by the /generate contract gate (api_types.py); any other key is
 # a 400 "unknown field" from the server, so we refuse it before paying for a single request.
@@ -114,14 +115,14 @@ def launches_sglang(command: list[str] | None) -> bool:
     )
 
 
-def validate_launch(gen: dict) -> None:
+def validate_launch(gen: GenerationSettings) -> None:
     """Config-time: seed_policy per_sample with a managed SGLang launched without
     --enable-deterministic-inference would only be refused once the server is up."""
-    command = (gen.get("launch") or {}).get("command")
+    command = list(gen.launch.command or [])
     if (
-        gen.get("mode", "managed") == "managed"
-        and gen.get("seed_policy") == "per_sample"
-        and not gen.get("allow_ignored_seeds")
+        gen.managed
+        and gen.seed_policy == "per_sample"
+        and not gen.allow_ignored_seeds
         and launches_sglang(command)
         and not has_flag(command, "--enable-deterministic-inference")
     ):
@@ -191,7 +192,7 @@ class SGLangAPI(EngineAPI):
     def server_skips_tokenizer(self, server_info: dict) -> bool:
         return bool(server_info.get("skip_tokenizer_init"))
 
-    def check_server(self, gen: dict, server_info: dict, url: str) -> dict:
+    def check_server(self, gen: GenerationSettings, server_info: dict, url: str) -> dict:
         notes = super().check_server(gen, server_info, url)
         version = server_info.get("version")
         notes["version"] = version
@@ -200,11 +201,11 @@ class SGLangAPI(EngineAPI):
                 "%s: server version %r is not an SGLang release number: sampling keys are not "
                 "checked against it", url, version,
             )  # fmt: skip
-        check_sampling_version(gen.get("sampling") or {}, version)
-        if gen.get("seed_policy") == "per_sample":
+        check_sampling_version(gen.raw["sampling"], version)
+        if gen.seed_policy == "per_sample":
             det = bool(server_info.get("enable_deterministic_inference"))
             notes["seeds_honoured"] = det
-            if not det and not gen.get("allow_ignored_seeds"):
+            if not det and not gen.allow_ignored_seeds:
                 raise ValueError(
                     f"generation.seed_policy: per_sample needs an SGLang server started with "
                     f"--enable-deterministic-inference, but {url} (version {version}) reports "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import aiohttp
 
 from tokenmill.generate.engines.base import BadResponse, EngineAPI, get_json, has_flag
+from tokenmill.settings import GenerationSettings
 
 # common name -> vLLM request field
 SAMPLING_MAP = {
@@ -116,10 +117,11 @@ class VLLMAPI(EngineAPI):
     skip_tokenizer_init = staticmethod(skip_tokenizer_init)
     validate_sampling = staticmethod(validate_sampling)
 
-    def __init__(self, gen: dict | None = None):
+    def __init__(self, gen: GenerationSettings | dict | None = None):
         super().__init__(gen)
-        managed = self.gen.get("mode", "managed") == "managed"
-        self.tokens_endpoint = managed and has_flag(self.launch_command, *TOKENS_ONLY_FLAGS)
+        self.tokens_endpoint = self.gen.managed and has_flag(
+            self.launch_command, *TOKENS_ONLY_FLAGS
+        )
 
     def prepare(self, sampling: dict, stop_token_ids: list[int]) -> None:
         self._sampling = {SAMPLING_MAP[k]: v for k, v in sampling.items()}
