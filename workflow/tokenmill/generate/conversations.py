@@ -93,7 +93,7 @@ class Conversations:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             from tokenmill.tokenization.tokenizer import load_tokenizer  # heavy: only here
 
-            self._tokenizer = load_tokenizer(self.tok_cfg.raw, self.basedir)
+            self._tokenizer = load_tokenizer(self.tok_cfg, self.basedir)
         return self._tokenizer
 
     def _next_prompt(self, c: int) -> list[int]:

@@ -62,6 +62,7 @@ from tokenmill.settings import (
     GenerationSettings,
     TokenizerSettings,
     effective_resources,
+    thaw,
 )
 
 log = logging.getLogger("tokenmill.generate")
@@ -111,7 +112,7 @@ def resolve_stop_ids(
         resolve_token_ids,
     )
 
-    return resolve_token_ids(load_tokenizer(tok_cfg.raw, basedir), tokens), "tokenizer"
+    return resolve_token_ids(load_tokenizer(tok_cfg, basedir), tokens), "tokenizer"
 
 
 # --------------------------------------------------------------------------------- shard
@@ -240,9 +241,9 @@ def open_job(args, gen: GenerationSettings, tok_cfg: TokenizerSettings, meta: di
     refused before any engine sees them. The caller closes job.index."""
     t_run = time.monotonic()
     fingerprint = keys.generation_fingerprint(gen)
-    api = engines.for_config(gen.raw)  # the engine-specific part: requests, answers, identity
+    api = engines.for_config(gen)  # the engine-specific part: requests, answers, identity
     # The engine's sampling keys are checked before the first request is paid for.
-    engines.validate(gen.raw)
+    engines.validate(gen)
     api_key(gen)  # an unset key variable fails here, before any work
     shard = Shard(args.tokenized, fingerprint, gen.seed_policy)
     pre_rejected = pre_reject(shard) if pre_reject is not None else {}
@@ -282,13 +283,13 @@ async def generate(job: Job, missing: list[Item], frontier=None, follow=None) ->
         gen, job.tok_cfg, args.basedir, job.shard.metadata
     )
     check_vocab(job.shard, gen, args.basedir, meta)
-    opts = ClientOptions.from_config(gen.raw, stop_ids, key)
+    opts = ClientOptions.from_config(gen, stop_ids, key)
     ok_before = sum(1 for k in job.index.entries if job.index.ok(k))
     guard = RejectionGuard(opts.reject_max_fraction, opts.reject_min_count, ok_before)
     engine = (
-        ManagedEngine(gen.raw, args.log_dir, args.basedir, key, api=api)
+        ManagedEngine(gen, args.log_dir, args.basedir, key, api=api)
         if managed
-        else ExternalEngines(gen.raw, key, api=api, basedir=args.basedir)
+        else ExternalEngines(gen, key, api=api, basedir=args.basedir)
     )
     writer, append = job.sj.writer(job.index)
     meta["journal"]["file"] = str(writer.path)
@@ -317,7 +318,7 @@ async def generate(job: Job, missing: list[Item], frontier=None, follow=None) ->
         engine_meta(meta, engine, secrets)
         if not managed:
             sti = any(api.server_skips_tokenizer(si) for si in engine.server_info.values())
-            api.validate_sampling(gen.raw["sampling"], sti)
+            api.validate_sampling(thaw(gen.sampling), sti)
         urls = [engine.url] if managed else engine.urls
         while True:
             if frontier is not None:

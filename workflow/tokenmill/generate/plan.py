@@ -118,7 +118,7 @@ class CategoryPlan:
         stop_ids, _ = job.resolve_stop_ids(gen, tok_cfg, str(self.basedir), self.shard_metadata)
         convs = conversations.Conversations(
             path, self.fingerprint, gen.seed_policy, stop_ids, tok_cfg,
-            str(self.basedir), engines.for_config(gen.raw).prompt_at_fault,
+            str(self.basedir), engines.for_config(gen).prompt_at_fault,
         )  # fmt: skip
         sj = journal.ShardJournal(self.journal_dir, self.category, name)
         index = sj.open(None)
@@ -291,8 +291,8 @@ async def _pilot(settings: Settings, basedir: Path, plans: dict, n: int) -> dict
     from tokenmill.generate.launch import ExternalEngines, ManagedEngine
 
     gen = settings.generation
-    api = engines.for_config(gen.raw)
-    engines.validate(gen.raw)
+    api = engines.for_config(gen)
+    engines.validate(gen)
     chosen = []  # (category, shard, item)
     for cat, cp in plans.items():
         todo = [(name, it) for name, items in cp.to_send().items() for it in items]
@@ -303,13 +303,13 @@ async def _pilot(settings: Settings, basedir: Path, plans: dict, n: int) -> dict
     api_key = job.api_key(gen)
     shard_meta = next((cp.shard_metadata for cp in plans.values() if cp.shard_metadata), {})
     stop_ids, _ = job.resolve_stop_ids(gen, settings.tokenizer, str(basedir), shard_meta)
-    opts = ClientOptions.from_config(gen.raw, stop_ids, api_key)
+    opts = ClientOptions.from_config(gen, stop_ids, api_key)
     managed = gen.managed
     log_dir = basedir / settings.results_dir / "logs" / "plan"
     engine = (
-        ManagedEngine(gen.raw, log_dir, basedir, api_key, api=api)
+        ManagedEngine(gen, log_dir, basedir, api_key, api=api)
         if managed
-        else ExternalEngines(gen.raw, api_key, api=api, basedir=basedir)
+        else ExternalEngines(gen, api_key, api=api, basedir=basedir)
     )
     where = {it.key: (cat, name) for cat, name, it in chosen}
     writers: dict = {}
