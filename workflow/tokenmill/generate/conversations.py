@@ -58,10 +58,6 @@ from tokenmill.tokenization import conversations as conv
 log = logging.getLogger("tokenmill.generate")
 
 
-def is_conversation_shard(path) -> bool:
-    return contracts.read_metadata(path).get(contracts.META_CONTEXT) == "regenerated"
-
-
 class Conversations:
     """The conversations of one shard and where each one stands."""
 
@@ -300,7 +296,7 @@ async def run(
             to_generate_now=len(missing),
         )  # fmt: skip
         meta.update(
-            common_meta(job), context="regenerated",
+            common_meta(job), context=contracts.CONTEXT_REGENERATED,
             journal={"dir": str(args.journal_dir), "compaction": None},
         )  # fmt: skip
         if missing:
@@ -308,9 +304,8 @@ async def run(
                 job, missing, frontier=convs.pending, follow=lambda rec: convs.follow(rec, index)
             )
         t_write = time.monotonic()
-        frame = OutputFrame(
-            job, len(convs.rows), {contracts.META_CONTEXT: "regenerated"}, counts=False
-        )
+        context = {contracts.META_CONTEXT: contracts.CONTEXT_REGENERATED}
+        frame = OutputFrame(job, len(convs.rows), context, counts=False)
         turns, rejected = convs.write(job, frame)
         index.close()  # compaction deletes the JSONL files it read
         meta["journal"]["compaction"] = compact(

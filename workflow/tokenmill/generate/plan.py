@@ -43,7 +43,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tokenmill import keys
+from tokenmill import contracts, keys
 from tokenmill.config import ConfigError, load_config
 from tokenmill.generate import conversations, job, journal
 from tokenmill.generate.resources import category_resources, gpus_per_job
@@ -86,7 +86,7 @@ class CategoryPlan:
             ntok = pq.read_table(path, columns=["num_prompt_tokens"]).column(0)
             self.prompt_tokens += int(pc.sum(ntok).as_py() or 0)
             self.shards[name] = []
-            if conversations.is_conversation_shard(path):
+            if contracts.is_regenerated(path):
                 self.conversation_shards[name] = path
                 continue
             for i in range(len(shard)):

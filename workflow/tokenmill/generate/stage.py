@@ -77,7 +77,7 @@ def _process_age_s() -> float:
 async def run(args, gen, tok_cfg, meta: dict, t0: float | None = None) -> int:
     """The runner for the shard's kind. `t0`: the process's start on the monotonic clock
     (timing counts imports too)."""
-    if conversations.is_conversation_shard(args.tokenized):  # context: regenerated
+    if contracts.is_regenerated(args.tokenized):  # context: regenerated
         return await conversations.run(args, gen, tok_cfg, meta, t0)
     return await prompts.run(args, gen, tok_cfg, meta, t0)
 
