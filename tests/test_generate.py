@@ -849,6 +849,38 @@ def test_journal_stays_within_a_small_factor_of_the_generated_data(tmp_path):
     assert journal.journaled_lines(r.journal_dir, "chat", "003") == 200  # none twice
 
 
+def test_held_resources_record_what_the_job_was_given():
+    """meta["held"] (the GPUs that dataset/stats.py counts): a SLURM allocation's own numbers,
+    else the job's config (the category's override x launch.nnodes); none for external
+    servers. The engine version is the one its server_info reports."""
+    from tokenmill.config import ENV_CONFIG
+    from tokenmill.generate.job import held_resources
+    from tokenmill.settings import load_section
+
+    gen = load_section({"model": "m", "resources": {"gpus": 2}, "launch": {"nnodes": 2}},
+                       "generation")  # fmt: skip
+    meta = {"server_info": {"version": "0.5.23"}}
+
+    def held(env, g=gen, m=meta):
+        h = held_resources(g, "chat", m, env)
+        return h["gpus_per_node"], h["nodes"], h["gpus"], h["engine_version"]
+
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2"}
+    assert held(slurm | {"SLURM_GPUS_ON_NODE": "4"}) == (4, 2, 8, "0.5.23")
+    assert held(slurm | {"SLURM_GPUS_PER_NODE": "h100:3"}) == (3, 2, 6, "0.5.23")
+    assert held({"SLURM_JOB_ID": "7", "CUDA_VISIBLE_DEVICES": "0,1"}) == (2, 1, 2, "0.5.23")
+    assert held({"SLURM_JOB_ID": "7"}) == (0, 1, 0, "0.5.23")  # a CPU allocation
+    # no allocation: the config the job was started with, the category's override first
+    assert held({}) == (2, 2, 4, "0.5.23")
+    config = {"categories": {"chat": {"resources": {"gpus": 3}}, "code": {}}}
+    assert held({ENV_CONFIG: json.dumps(config)}) == (3, 2, 6, "0.5.23")
+    assert held({}, m={}) == (2, 2, 4, None)  # the engine never started: no version
+    ext = load_section({"mode": "external", "external": {"urls": ["http://a", "http://b"]}},
+                       "generation")  # fmt: skip
+    infos = {"server_info": {"http://a": {"version": "1"}, "http://b": {"version": "1"}}}
+    assert held(slurm | {"SLURM_GPUS_ON_NODE": "4"}, ext, infos) == (None, None, None, "1")
+
+
 def test_timing_separates_startup_from_the_generation_window(tmp_path):
     r = Run(tmp_path, "--startup-delay", "1.5", "--latency", "0.02", n=40, concurrency=4)
     out = r.run()
@@ -859,6 +891,10 @@ def test_timing_separates_startup_from_the_generation_window(tmp_path):
     assert r.meta()["wall_time_s"] == t["total_s"]
     rates = r.meta()["rates"]
     assert rates["requests_per_s"] == pytest.approx(40 / t["generation_s"], rel=0.01)
+    held = r.meta()["held"]  # what the job held, for the cost figures (no SLURM here: config)
+    if "SLURM_JOB_ID" not in os.environ:
+        assert (held["gpus_per_node"], held["nodes"], held["gpus"]) == (1, 1, 1)
+    assert held["engine_version"] == r.meta()["server_info"].get("version")
     # the progress line's rate counts from the first request, not from the job's start
     rps = float(re.findall(r"progress 40/40 req/s=([\d.]+)", out)[-1])
     assert rps > 40 / 1.5

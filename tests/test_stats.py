@@ -336,20 +336,24 @@ def test_unknown_is_null_never_a_made_up_number(tmp_path):
     md = (tmp_path / "stats" / "summary.md").read_text()
     assert "| code | stop: 1 | unknown |" in md
 
-    # A managed engine on GPUs: GPU-hours are wall time x GPUs (start-up included).
-    config["generation"] = dict(GEN_CFG, mode="managed", resources={"gpus": 2})
+    # A managed engine on GPUs: GPU-hours are wall time x the GPUs each job's meta says it held
+    # (start-up included); the config's resources are not read (they may have changed since).
+    _held(r, "chat", "000", 2)
+    _held(r, "chat", "001", 2)
+    config["generation"] = dict(GEN_CFG, mode="managed", resources={"gpus": 7})
     g = _stats(r, config, tmp_path)["categories"]["chat"]["generation"]
     assert g["gpus"] == 2 and g["gpu_hours"] == pytest.approx(15.0 * 2 / 3600, abs=1e-6)
     assert g["output_tokens_per_gpu_hour"] == pytest.approx(6 / (10.0 * 2 / 3600), rel=1e-4)
 
-    # One engine on 2 nodes of 4 GPUs each, and a category whose jobs ask for 1 GPU per node:
+    # One engine on 2 nodes of 4 GPUs each, and a category whose jobs held 1 GPU per node:
     # a job's GPUs are per node x nodes, and the overall GPU-hours add the categories up.
-    config["generation"] = dict(GEN_CFG, mode="managed", resources={"gpus": 4},
-                                launch={"nnodes": 2})  # fmt: skip
-    cats = CONFIG["categories"]
+    _held(r, "chat", "000", 4, nodes=2)
+    _held(r, "chat", "001", 4, nodes=2)
+    _held(r, "code", "000", 1, nodes=2)
+    cats = CONFIG["categories"]  # today's resources differ: not read
     config["categories"] = {
         "chat": cats["chat"],
-        "code": {**cats["code"], "resources": {"gpus": 1}},
+        "code": {**cats["code"], "resources": {"gpus": 5}},
     }
     s = _stats(r, config, tmp_path)
     chat, code = (s["categories"][c]["generation"] for c in ("chat", "code"))
@@ -359,6 +363,46 @@ def test_unknown_is_null_never_a_made_up_number(tmp_path):
     o = s["overall"]["generation"]
     assert o["gpus"] == "mixed"
     assert o["gpu_hours"] == pytest.approx((15.0 * 8 + 20.0 * 2) / 3600, abs=1e-6)
+
+
+def _held(r: Path, cat: str, shard: str, per_node, nodes: int = 1, drop: bool = False) -> None:
+    """Record in a generate meta the GPUs its job held (generate/job.py held_resources)."""
+    path = r / "generated" / cat / f"{shard}.meta.json"
+    meta = json.loads(path.read_text())
+    meta.pop("held", None)
+    if not drop:
+        gpus = None if per_node is None else per_node * nodes
+        meta["held"] = {"gpus_per_node": per_node, "nodes": nodes, "gpus": gpus,
+                        "engine_version": "0.0-test", "source": "test"}  # fmt: skip
+    path.write_text(json.dumps(meta))
+
+
+def test_gpu_hours_come_from_what_each_job_held_not_the_config(tmp_path):
+    """Two jobs of one category that held different GPUs (the config's resources changed
+    between them): each counts its own; the config's resources now change nothing; a meta
+    written before the record existed makes the GPU-hours unknown, not a guess."""
+    r = build_results(tmp_path)
+    _held(r, "chat", "000", 2)  # 10 s x 2 GPUs
+    _held(r, "chat", "001", 8)  # 5 s x 8 GPUs
+    _held(r, "code", "000", None)  # an external server: not the run's GPUs
+    config = json.loads(json.dumps(CONFIG))
+    sums = []
+    for gpus in (1, 4):
+        config["generation"] = dict(GEN_CFG, mode="managed", resources={"gpus": gpus})
+        s = _stats(r, config, tmp_path)
+        chat = s["categories"]["chat"]["generation"]
+        assert chat["gpus"] == "mixed"
+        assert chat["gpu_hours"] == pytest.approx((10.0 * 2 + 5.0 * 8) / 3600, abs=1e-6)
+        assert s["categories"]["code"]["generation"]["gpu_hours"] is None
+        sums.append(s["overall"]["generation"]["gpu_hours"])
+    assert sums[0] == sums[1] == pytest.approx(60.0 / 3600, abs=1e-6)
+
+    _held(r, "chat", "001", None, drop=True)  # an older version's meta: no record
+    s = _stats(r, config, tmp_path)
+    assert s["categories"]["chat"]["generation"]["gpu_hours"] is None
+    assert s["overall"]["generation"]["gpu_hours"] is None
+    md = (tmp_path / "stats" / "summary.md").read_text()
+    assert "GPUs a job's meta does not record" in md
 
 
 @pytest.mark.parametrize("merge_start_id", [3, None])

@@ -525,6 +525,38 @@ def test_reproduce_from_provenance_matches_byte_for_byte(finished_run):
     assert "cannot reproduce" in said and "code_sample.jsonl" in said, said
 
 
+def test_gpu_hours_come_from_each_jobs_meta_not_todays_resources(finished_run, tmp_path):
+    """Truthful cost: every generate job's meta records what it held (GPUs per node, nodes,
+    engine version). Changing generation.resources after the run reruns no generate job, and
+    the statistics, run again, keep the GPU-hours the metas give: not wall time x the new
+    gpus (the demo's jobs held none: null before and after, where the old rule said 2 x wall)."""
+    results = finished_run / "results"
+    metas = [json.loads(m.read_text()) for m in (results / "generated").glob("*/*.meta.json")]
+    held = [m["held"] for m in metas]
+    assert held
+    # the version the engine reported, where it reports one
+    assert all(m["held"]["engine_version"] == m["server_info"].get("version") for m in metas)
+    if "SLURM_JOB_ID" not in os.environ:  # the demo's config: gpus 0 on one node
+        assert all((h["gpus_per_node"], h["nodes"], h["gpus"]) == (0, 1, 0) for h in held), held
+    before = json.loads((results / "stats/summary.json").read_text())
+    config = yaml.safe_load((finished_run / "config.yaml").read_text())
+    config["generation"]["resources"]["gpus"] = 2
+    configfile = tmp_path / "gpus2.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    run = snakemake(finished_run, "--configfile", str(configfile), "--forcerun", "summarize_stats")
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
+    rules = {rule for rule, _ in jobs_in(run.stdout + run.stderr)}
+    assert "summarize_stats" in rules and "generate_shard" not in rules, rules
+    assert not rules & {"prepare_prompts", "tokenize_prompts", "merge_shard"}, rules
+    after = json.loads((results / "stats/summary.json").read_text())
+    scopes = [("overall", before["overall"], after["overall"])]
+    scopes += [(c, s, after["categories"][c]) for c, s in before["categories"].items()]
+    for name, old, new in scopes:
+        for key in ("gpus", "gpu_hours", "output_tokens_per_gpu_hour"):
+            assert new["generation"][key] == old["generation"][key], (name, key)
+    assert after["overall"]["generation"]["wall_time_s"] > 0
+
+
 @pytest.fixture(scope="module")
 def absolute_run(tmp_path_factory):
     """The `code` category with absolute paths for everything, as on a cluster (/scratch/...

@@ -31,9 +31,12 @@ summary.json (keys sorted; "schema": "tokenmill.stats/1"):
 Unknown is null (JSON) and "unknown" (tables), never a made-up number:
 - prefix cache: only samples whose engine reported cached tokens count (vLLM does not report
   them unless started with --enable-prompt-tokens-details); none reporting -> hit_rate null.
-- GPU-hours: wall time x the GPUs of one generate job (the category's resources.gpus per node
-  x generation.launch.nnodes), for managed engines on GPUs only; external servers (their GPUs
-  are not ours to count) and CPU runs (gpus 0) -> null.
+- GPU-hours: each generate job's wall time x the GPUs it held, as its meta records them
+  (`held.gpus`: SLURM's allocation, else the category's resources.gpus per node x
+  launch.nnodes when the job ran; generate/job.py held_resources), never today's config, so a
+  changed `resources` rewrites no cost. External servers (their GPUs are not ours to count)
+  and CPU runs (gpus 0) -> null; a meta without the record (written before tokenmill recorded
+  it) makes its category's GPU-hours null ("unknown"), not a guess from the current config.
 - reasoning: with dataset.think_end_token set, an output without the think-end token is
   reasoning that never ended ("unterminated") when a thinking block was open: the prompt's
   chat template ended inside one (Kimi-K2.5) or the output opened one (Qwen3). Its tokens
@@ -101,6 +104,7 @@ TIMING_SUMS = (
     "shards",
     "gpu_s",
     "timed_gpu_s",
+    "gpu_unknown_shards",  # generate metas without a `held` record: GPU-hours unknown
 )
 COVERAGE_PLOT = "token_coverage.png"
 
@@ -352,7 +356,7 @@ def _lengths(dataset: list[Path], think: ThinkTokens) -> tuple[dict, dict]:
     return raw, reasoning
 
 
-def _category(results: Path, cat: str, gpus: int | None, think: ThinkTokens):
+def _category(results: Path, cat: str, think: ThinkTokens):
     """(summary of one category, raw length arrays for the overall summary and plots, the
     timing sums for the overall throughput)."""
     rej = results / "rejected"
@@ -382,6 +386,7 @@ def _category(results: Path, cat: str, gpus: int | None, think: ThinkTokens):
     cache = {"samples": 0, "samples_reporting": 0, "cached_tokens": 0, "prompt_tokens": 0}
     timing = dict.fromkeys(TIMING_SUMS, 0)
     metas = []
+    held: set = set()  # the GPUs each generate job held (held_gpus_of)
     for f in generated:
         t = pq.read_table(
             f, columns=["finish_type", "cached_tokens", "prompt_tokens", "completion_tokens"]
@@ -403,7 +408,11 @@ def _category(results: Path, cat: str, gpus: int | None, think: ThinkTokens):
         metas.append(meta)
         wall, gen_s = _wall_time(meta), _generation_time(meta)
         timing["wall"] += wall
-        timing["gpu_s"] += wall * (gpus or 0)
+        held_gpus = held_gpus_of(meta)
+        held.add(held_gpus)
+        known_gpus = 0 if held_gpus is UNKNOWN else held_gpus or 0
+        timing["gpu_s"] += wall * known_gpus
+        timing["gpu_unknown_shards"] += held_gpus is UNKNOWN
         timing["gen"] += gen_s
         timing["out"] += out
         timing["shards"] += 1
@@ -413,8 +422,9 @@ def _category(results: Path, cat: str, gpus: int | None, think: ThinkTokens):
             timing["timed_gen"] += gen_s
             timing["timed_out"] += out
             timing["timed_shards"] += 1
-            timing["timed_gpu_s"] += wall * (gpus or 0)
+            timing["timed_gpu_s"] += wall * known_gpus
 
+    gpus = _per_job(held - {UNKNOWN}) if UNKNOWN not in held else None
     raw, reasoning = _lengths(dataset, think)
     summary = {
         "stages": stages,
@@ -446,8 +456,9 @@ def _cache(c: dict) -> dict:
 def _throughput(t: dict, gpus: int | None) -> dict:
     """`gpus`: GPUs per generate job, None where GPU-hours are unknown (t["gpu_s"] is the sum
     of wall x GPUs over the jobs, so categories with different GPUs add up)."""
-    gpu_hours = t["gpu_s"] / 3600 if gpus else None
-    timed_gpu_hours = t["timed_gpu_s"] / 3600 if gpus else None
+    known = gpus and not t["gpu_unknown_shards"]
+    gpu_hours = t["gpu_s"] / 3600 if known else None
+    timed_gpu_hours = t["timed_gpu_s"] / 3600 if known else None
     return {
         "wall_time_s": round(t["wall"], 3),
         "generation_time_s": round(t["gen"], 3),
@@ -465,18 +476,24 @@ def _throughput(t: dict, gpus: int | None) -> dict:
     }
 
 
-def gpus_of(config: dict, category: str | None = None) -> int | None:
-    """GPUs of one generate job of `category` (its resources.gpus per node x launch.nnodes), or
-    None where GPU-hours would be invented: external servers (not started by us) and CPU runs
-    (gpus 0)."""
-    gen = config.get("generation") or {}
-    if gen.get("mode", "managed") != "managed":
-        return None
-    per_node = (gen.get("resources") or {}).get("gpus", 1)
-    if category in (config.get("categories") or {}):
-        per_node = (config["categories"][category].get("resources") or {}).get("gpus", per_node)
-    nnodes = int((gen.get("launch") or {}).get("nnodes", 1))
-    return int(per_node) * nnodes or None
+UNKNOWN = "unknown"
+
+
+def held_gpus_of(meta: dict):
+    """The GPUs a generate job held, from its meta's `held` record (generate/job.py): an int,
+    None where it held none of its own (external servers, CPU runs), UNKNOWN for a meta
+    without the record (an older version's, or none at all)."""
+    held = meta.get("held")
+    if not isinstance(held, dict):
+        return UNKNOWN
+    return int(held["gpus"]) if held.get("gpus") else None
+
+
+def _per_job(values: set):
+    """One GPU figure for jobs that held `values` GPUs: the number when they agree, None when
+    none held GPUs of their own, else "mixed" (GPU-hours add up regardless)."""
+    values = values - {None}
+    return values.pop() if len(values) == 1 else ("mixed" if values else None)
 
 
 def conservation(categories: dict) -> list[str]:
@@ -541,7 +558,7 @@ def collect(results_dir, config, think: ThinkTokens | None = None) -> tuple[dict
         names |= {p.stem for p in (results / "prompts").glob("*.parquet")}
     cats, raws, timings = {}, {}, {}
     for cat in sorted(names):
-        cats[cat], raws[cat], timing = _category(results, cat, gpus_of(config, cat), think)
+        cats[cat], raws[cat], timing = _category(results, cat, think)
         for k, v in timing.items():
             timings[k] = timings.get(k, 0) + v
     problems = conservation(cats)
@@ -778,7 +795,9 @@ def markdown(summary: dict) -> str:
         "",
         "unknown: the engine does not report it (prefix cache: vLLM without "
         "--enable-prompt-tokens-details), GPUs that are not the run's own (external servers, "
-        "CPU runs), or no shard whose samples were all generated by the job that wrote it.",
+        "CPU runs), GPUs a job's meta does not record (written by an older version), or no "
+        "shard whose samples were all generated by the job that wrote it. GPU-hours: each "
+        "job's wall time x the GPUs its meta says it held.",
     ]
 
     out += conversations_markdown(scopes)
@@ -859,7 +878,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"tokenmill stats: {exc}", file=sys.stderr)
         return 1
-    # the validated dict (defaults filled): gpus_of reads it
+    # the validated dict (defaults filled); GPU-hours come from the generate metas, not it
     summary, raws = collect(args.results_dir, config.raw, ThinkTokens.of(config, args.basedir))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -40,14 +40,22 @@ import pyarrow.parquet as pq
 from tokenmill import contracts, keys
 from tokenmill.generate import journal
 from tokenmill.generate.client import OK, REASONS, REJECTED, Item
+from tokenmill.generate.job import (
+    FETCH_ROWS,
+    Job,
+    OutputFrame,
+    commit_compaction,
+    common_meta,
+    finish_timing,
+    generate,
+    open_job,
+    rejected_row,
+    resolve_stop_ids,
+)
+from tokenmill.settings import GenerationSettings, TokenizerSettings, thaw
 from tokenmill.tokenization import conversations as conv
-from tokenmill.tokenization.stage import META_MAX_PROMPT_TOKENS
 
 log = logging.getLogger("tokenmill.generate")
-
-
-def is_conversation_shard(path) -> bool:
-    return contracts.read_metadata(path).get(contracts.META_CONTEXT) == "regenerated"
 
 
 class Conversations:
@@ -61,7 +69,7 @@ class Conversations:
         self.stop_ids = list(stop_ids)
         te = meta.get(contracts.META_THINK_END_ID)
         self.think_end_id = int(te) if te else None
-        mpt = meta.get(META_MAX_PROMPT_TOKENS)
+        mpt = meta.get(contracts.META_MAX_PROMPT_TOKENS)
         self.max_prompt_tokens = int(mpt) if mpt else None
         self.tok_cfg, self.basedir = tok_cfg, basedir
         # The engine's rule for which journaled refusals are final (journal.Index.ask_again).
@@ -102,7 +110,7 @@ class Conversations:
                                         self.think_end_id)
             )  # fmt: skip
         messages = conv.messages_with_answers(json.loads(row["messages"]), answers)
-        kwargs = dict(self.tok_cfg.get("chat_template_kwargs") or {})
+        kwargs = thaw(self.tok_cfg.chat_template_kwargs)
         return conv.render(tok, messages, conv.load_json(row["tools"]), True, kwargs)
 
     def _item(self, c: int) -> Item:
@@ -224,26 +232,26 @@ class Conversations:
             "conversation_ends": dict(sorted(ends.items())),
         }
 
-    def write(self, out_path, rejected_path, category: str, file_meta: dict) -> tuple[int, int]:
-        """Generated turns and rejected conversations, prompt_id order. Returns (turn rows,
-        rejected rows)."""
+    def write(self, job: Job, frame: OutputFrame) -> tuple[int, int]:
+        """Generated turns and rejected conversations, prompt_id order, in job.args.out and
+        job.args.rejected. Returns (turn rows, rejected rows). Every conversation is counted
+        once: kept (one or more turn rows) or rejected (its first turn was refused)."""
         gen_rows, rej_rows = [], []
+        kept = 0
         for c in sorted(range(len(self.rows)), key=lambda i: self.rows[i]["prompt_id"]):
             row, end = self.rows[c], self.end[c]
             ok = [t for t in self.turns[c] if t["rec"]["status"] == OK]
             if end is None:
                 raise RuntimeError(f"conversation {row['prompt_id']} did not finish")
             if not ok:
-                last = self.turns[c][-1]["rec"]
-                rej_rows.append(
-                    {"stage": "generate", "category": category,
-                     "reason": REASONS.get(last["status"], REASONS[REJECTED]),
-                     "detail": last.get("message"), "prompt_id": row["prompt_id"],
-                     "record": contracts.canonical_json(
-                         {"sample_key": self.turns[c][-1]["key"], "turn": 0,
-                          "num_prompt_tokens": len(self.turns[c][-1]["prompt"])})}
-                )  # fmt: skip
+                last = self.turns[c][-1]
+                record = {"sample_key": last["key"], "turn": 0,
+                          "num_prompt_tokens": len(last["prompt"])}  # fmt: skip
+                reason = REASONS.get(last["rec"]["status"], REASONS[REJECTED])
+                detail = last["rec"].get("message")
+                rej_rows.append(rejected_row(job, reason, detail, row["prompt_id"], record))
                 continue
+            kept += 1
             for k, t in enumerate(ok):
                 r = t["rec"]
                 gen_rows.append(
@@ -252,74 +260,60 @@ class Conversations:
                      "turn_prompt_ids": t["prompt"], "prefix_exact": row["prefix_exact"],
                      "conversation_end": end}
                 )  # fmt: skip
+        frame.check(kept, len(rej_rows))
         schema = contracts.GENERATED_TURNS
         contracts.write_table(
-            pa.Table.from_pylist(gen_rows, schema=schema), out_path, schema, "generate", file_meta
-        )
+            pa.Table.from_pylist(gen_rows, schema=schema), job.args.out, schema, "generate",
+            frame.metadata,
+        )  # fmt: skip
         contracts.write_table(
-            contracts.rejected_table(rej_rows), rejected_path, contracts.REJECTED, "generate",
-            file_meta,
+            contracts.rejected_table(rej_rows), job.args.rejected, contracts.REJECTED,
+            "generate", frame.metadata,
         )  # fmt: skip
         return len(gen_rows), len(rej_rows)
 
 
-async def run(args, gen: dict, tok_cfg: dict, meta: dict, t0: float | None = None) -> int:
-    """`tokenmill generate` for a conversation shard (stage.run hands over to this)."""
-    from tokenmill.generate import engines
-    from tokenmill.generate import stage as st
-
-    t_run = time.monotonic()
-    fingerprint = keys.generation_fingerprint(gen)
-    managed = gen.get("mode", "managed") == "managed"
-    api = engines.for_config(gen)
-    engines.validate(gen)
-    st._api_key(gen)
-    shard = st.Shard(args.tokenized, fingerprint, gen.get("seed_policy", "none"))
-    stop_ids, _ = st.resolve_stop_ids(gen, tok_cfg, args.basedir, shard.metadata)
-    convs = Conversations(
-        args.tokenized, fingerprint, gen.get("seed_policy", "none"), stop_ids, tok_cfg,
-        args.basedir, api.prompt_at_fault,
-    )  # fmt: skip
-    if shard.num_shards is not None:
-        journal.ensure_layout(args.journal_dir, args.category, shard.num_shards)
-    sj = journal.ShardJournal(args.journal_dir, args.category, args.shard)
-    index = sj.open(None)
-    clock = {"t0": t_run if t0 is None else t0, "run": t_run}
-    job = st.Job(args, gen, tok_cfg, meta, clock, shard, sj, index, {})
+async def run(
+    args, gen: GenerationSettings, tok_cfg: TokenizerSettings, meta: dict, t0: float | None = None
+) -> int:
+    """`tokenmill generate` for a conversation shard: the job core (generate/job.py) with the
+    turn loop as its frontier."""
+    # Every record of the shard's journal files is indexed: a turn's key is known only once
+    # the turn before it was answered.
+    job = open_job(args, gen, tok_cfg, meta, t0, lambda shard, pre_rejected: None)
+    index, sj = job.index, job.sj
     try:
+        stop_ids, _ = resolve_stop_ids(gen, tok_cfg, args.basedir, job.shard.metadata)
+        convs = Conversations(
+            args.tokenized, job.fingerprint, gen.seed_policy, stop_ids, tok_cfg,
+            args.basedir, job.api.prompt_at_fault,
+        )  # fmt: skip
         convs.replay(index, sj.search_stale)
-        clock["replayed"] = time.monotonic()
+        job.clock["replayed"] = time.monotonic()
         missing = convs.pending()
         job.counts.update(
             conversations=len(convs.rows), from_journal=convs.from_journal,
             to_generate_now=len(missing),
         )  # fmt: skip
         meta.update(
-            generation_fingerprint=fingerprint, category=args.category, shard=args.shard,
-            mode="managed" if managed else "external", engine=api.name, engine_started=False,
-            counts=job.counts, context="regenerated",
+            common_meta(job), context=contracts.CONTEXT_REGENERATED,
             journal={"dir": str(args.journal_dir), "compaction": None},
         )  # fmt: skip
         if missing:
-            await st._generate(
-                job, missing, api, managed,
-                frontier=convs.pending, follow=lambda rec: convs.follow(rec, index),
-            )  # fmt: skip
+            await generate(
+                job, missing, frontier=convs.pending, follow=lambda rec: convs.follow(rec, index)
+            )
         t_write = time.monotonic()
-        file_meta = {
-            contracts.META_GENERATION_FINGERPRINT: fingerprint,
-            contracts.META_CATEGORY: args.category,
-            contracts.META_SHARD: args.shard,
-            contracts.META_CONTEXT: "regenerated",
-            "tokenmill.records_in": str(len(convs.rows)),
-        }
-        turns, rejected = convs.write(args.out, args.rejected, args.category, file_meta)
+        context = {contracts.META_CONTEXT: contracts.CONTEXT_REGENERATED}
+        frame = OutputFrame(job, len(convs.rows), context, counts=False)
+        turns, rejected = convs.write(job, frame)
         index.close()  # compaction deletes the JSONL files it read
-        meta["journal"]["compaction"] = compact(sj, convs.keys(), args.category, shard.num_shards)
+        meta["journal"]["compaction"] = compact(
+            sj, convs.keys(), args.category, job.shard.num_shards
+        )
         job.counts.update(convs.counts(), kept_turns=turns, rejected=rejected)
         job.counts.setdefault("requested", 0)
-        meta["timing"] = timing = st._timing(clock, t_write, time.monotonic())
-        meta["wall_time_s"] = timing["total_s"]
+        finish_timing(job, t_write)
         log.info("shard %s/%s done: %s", args.category, args.shard,
                  json.dumps(job.counts, sort_keys=True))  # fmt: skip
     finally:
@@ -328,11 +322,9 @@ async def run(args, gen: dict, tok_cfg: dict, meta: dict, t0: float | None = Non
 
 
 def compact(sj: journal.ShardJournal, turn_keys: list[str], category: str, num_shards):
-    """Fold the shard's journal into {shard}.parquet as a plain shard does (stage._write): once
-    every conversation ended, the shard's keys are known (every turn's); records of other keys
-    (edited conversations, older settings) go to the stale file."""
-    from tokenmill.generate import stage as st
-
+    """Fold the shard's journal into {shard}.parquet as a plain shard does (prompts.write):
+    once every conversation ended, the shard's keys are known (every turn's); records of other
+    keys (edited conversations, older settings) go to the stale file."""
     index = sj.open(set(turn_keys))
     try:
         sj.search_stale(index, set(turn_keys) - index.entries.keys())
@@ -341,11 +333,11 @@ def compact(sj: journal.ShardJournal, turn_keys: list[str], category: str, num_s
         compaction = journal.Compaction(sj, index, category)
         try:
             have = [k for k in turn_keys if index.has(k)]  # engine errors are not journaled
-            for start in range(0, len(have), st.FETCH_ROWS):
-                compaction.add(index.fetch(have[start : start + st.FETCH_ROWS]))
+            for start in range(0, len(have), FETCH_ROWS):
+                compaction.add(index.fetch(have[start : start + FETCH_ROWS]))
         except BaseException:
             compaction.abort()
             raise
-        return st.commit_compaction(compaction, num_shards)
+        return commit_compaction(compaction, num_shards)
     finally:
         index.close()

@@ -43,10 +43,11 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tokenmill import keys
+from tokenmill import contracts, keys
 from tokenmill.config import ConfigError, load_config
-from tokenmill.generate import conversations, journal
+from tokenmill.generate import conversations, job, journal
 from tokenmill.generate.resources import category_resources, gpus_per_job
+from tokenmill.settings import Settings
 from tokenmill.tokenization.shards import shard_names
 
 log = logging.getLogger("tokenmill.plan")
@@ -55,15 +56,16 @@ log = logging.getLogger("tokenmill.plan")
 class CategoryPlan:
     """One category's shards, keys and journal state."""
 
-    def __init__(self, config: dict, category: str, basedir: Path):
-        from tokenmill.generate.stage import Shard  # keys exactly as generate computes them
-
-        gen = config["generation"]
+    def __init__(
+        self, config: dict, category: str, basedir: Path, settings: Settings | None = None
+    ):
+        self.settings = settings or Settings.from_config(config)
+        gen = self.settings.generation
         self.category = category
         self.fingerprint = keys.generation_fingerprint(gen)
-        results = basedir / config["results_dir"]
-        self.journal_dir = basedir / config["journal_dir"]
-        names = shard_names(config["categories"][category]["shards"])
+        results = basedir / self.settings.results_dir
+        self.journal_dir = basedir / self.settings.journal_dir
+        names = shard_names(self.settings.categories[category].shards)
         self.shards_configured = len(names)
         self.prompts = self.prompt_tokens = 0
         self.shards: dict[str, list] = {}  # shard -> [(Item, ...)] still to send
@@ -77,14 +79,14 @@ class CategoryPlan:
             path = results / "tokenized" / category / f"{name}.parquet"
             if not path.exists():
                 continue
-            shard = Shard(str(path), self.fingerprint, gen.get("seed_policy", "none"))
+            shard = job.Shard(str(path), self.fingerprint, gen.seed_policy)
             # Stop tokens as ids (tokenize resolved them into every shard's metadata).
             self.shard_metadata = shard.metadata
             self.prompts += len(shard)
             ntok = pq.read_table(path, columns=["num_prompt_tokens"]).column(0)
             self.prompt_tokens += int(pc.sum(ntok).as_py() or 0)
             self.shards[name] = []
-            if conversations.is_conversation_shard(path):
+            if contracts.is_regenerated(path):
                 self.conversation_shards[name] = path
                 continue
             for i in range(len(shard)):
@@ -111,12 +113,11 @@ class CategoryPlan:
     def _replay(self, name: str, path: Path):
         """The shard's conversations, replayed from the journal exactly as generate does."""
         from tokenmill.generate import engines
-        from tokenmill.generate.stage import resolve_stop_ids
 
-        gen, tok_cfg = self.config["generation"], self.config["tokenizer"]
-        stop_ids, _ = resolve_stop_ids(gen, tok_cfg, str(self.basedir), self.shard_metadata)
+        gen, tok_cfg = self.settings.generation, self.settings.tokenizer
+        stop_ids, _ = job.resolve_stop_ids(gen, tok_cfg, str(self.basedir), self.shard_metadata)
         convs = conversations.Conversations(
-            path, self.fingerprint, gen.get("seed_policy", "none"), stop_ids, tok_cfg,
+            path, self.fingerprint, gen.seed_policy, stop_ids, tok_cfg,
             str(self.basedir), engines.for_config(gen).prompt_at_fault,
         )  # fmt: skip
         sj = journal.ShardJournal(self.journal_dir, self.category, name)
@@ -151,7 +152,7 @@ class CategoryPlan:
 
 
 def _row(cp: CategoryPlan, config: dict, throughput: float | None, pilot: dict | None) -> dict:
-    gen = config["generation"]
+    gen = cp.settings.generation
     todo = cp.requests_left()
     n_send = sum(todo.values())
     lengths = (pilot or {}).get("lengths") or []
@@ -160,7 +161,7 @@ def _row(cp: CategoryPlan, config: dict, throughput: float | None, pilot: dict |
     else:
         lengths = cp.output_lengths()
         source = f"journal n={len(lengths)}" if lengths else "max_new_tokens (upper bound)"
-    mean_out = sum(lengths) / len(lengths) if lengths else float(gen["sampling"]["max_new_tokens"])
+    mean_out = sum(lengths) / len(lengths) if lengths else float(gen.sampling["max_new_tokens"])
     res = category_resources(config, cp.category)
     row = {
         "category": cp.category,
@@ -189,8 +190,9 @@ def _row(cp: CategoryPlan, config: dict, throughput: float | None, pilot: dict |
 
 
 def make_plan(config: dict, basedir: Path, throughput: float | None, pilot_n: int = 0) -> dict:
-    plans = {c: CategoryPlan(config, c, basedir) for c in sorted(config["categories"])}
-    pilot = run_pilot(config, basedir, plans, pilot_n) if pilot_n else None
+    settings = Settings.from_config(config)  # validated: a partial config fails naming the key
+    plans = {c: CategoryPlan(config, c, basedir, settings) for c in sorted(settings.categories)}
+    pilot = run_pilot(settings, basedir, plans, pilot_n) if pilot_n else None
     measured = (pilot or {}).get("throughput")
     used = throughput or measured
     rows = [_row(p, config, used, (pilot or {}).get(c)) for c, p in plans.items()]
@@ -277,19 +279,18 @@ def format_table(plan: dict) -> str:
 # ---------------------------------------------------------------------------------- pilot
 
 
-def run_pilot(config: dict, basedir: Path, plans: dict, n: int) -> dict:
+def run_pilot(settings: Settings, basedir: Path, plans: dict, n: int) -> dict:
     """Generate up to n not-yet-journaled prompts per category with the configured engine
     (one engine for all categories), journal them, measure lengths and throughput."""
-    return asyncio.run(_pilot(config, basedir, plans, n))
+    return asyncio.run(_pilot(settings, basedir, plans, n))
 
 
-async def _pilot(config: dict, basedir: Path, plans: dict, n: int) -> dict:
+async def _pilot(settings: Settings, basedir: Path, plans: dict, n: int) -> dict:
     from tokenmill.generate import engines
     from tokenmill.generate.client import Client, ClientOptions, Stats
     from tokenmill.generate.launch import ExternalEngines, ManagedEngine
-    from tokenmill.generate.stage import _api_key, resolve_stop_ids
 
-    gen = config["generation"]
+    gen = settings.generation
     api = engines.for_config(gen)
     engines.validate(gen)
     chosen = []  # (category, shard, item)
@@ -299,12 +300,12 @@ async def _pilot(config: dict, basedir: Path, plans: dict, n: int) -> dict:
         chosen += [(cat, name, it) for name, it in todo[:n]]
     if not chosen:
         return {}
-    api_key = _api_key(gen)
+    api_key = job.api_key(gen)
     shard_meta = next((cp.shard_metadata for cp in plans.values() if cp.shard_metadata), {})
-    stop_ids, _ = resolve_stop_ids(gen, config["tokenizer"], str(basedir), shard_meta)
+    stop_ids, _ = job.resolve_stop_ids(gen, settings.tokenizer, str(basedir), shard_meta)
     opts = ClientOptions.from_config(gen, stop_ids, api_key)
-    managed = gen.get("mode", "managed") == "managed"
-    log_dir = basedir / config["results_dir"] / "logs" / "plan"
+    managed = gen.managed
+    log_dir = basedir / settings.results_dir / "logs" / "plan"
     engine = (
         ManagedEngine(gen, log_dir, basedir, api_key, api=api)
         if managed

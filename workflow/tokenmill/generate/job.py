@@ -1,0 +1,524 @@
+"""The core of one generate job: what a prompt shard (generate/prompts.py) and a conversation
+shard (generate/conversations.py) do alike.
+
+    job = open_job(args, gen, tok_cfg, meta, t0, wanted)   # keys, journal layout, index
+    ...the runner finds what is missing (its own rule)...
+    await generate(job, missing, ...)                    # engine: start, client loop, restarts
+    ...the runner writes its rows through OutputFrame...  # file metadata, in = kept + rejected
+    meta["journal"]["compaction"] = commit_compaction(...)
+    finish_timing(job, t_write)                           # meta timing
+
+What lives here, and only here:
+- `Shard`: the tokenized shard's prompts, lengths and sample keys, read a row group at a time;
+- `open_job`: the journal's layout (a one-time migration when the shard count changed) and the
+  index of this shard's journal files;
+- `generate`: start (or reach) the engine, send the missing samples, journal each answer as it
+  comes, restart a dead engine up to launch.max_restarts times, hold refusals until the shard
+  passed the rejection guard (engine errors are never journaled: the next run asks again);
+- `engine_meta`, `held_resources`, `common_meta`, `timing`: what the job's meta says about the
+  engine, what the job held (GPUs, nodes, engine version: the cost figures of dataset/stats.py
+  read these, never the current config) and where its time went;
+- `OutputFrame`: the output files' metadata and the count check (every record in, once, in the
+  generated or the rejected file);
+- `commit_compaction`: swap a shard's compacted journal file in once the output is written.
+
+Timing (meta `timing`): startup_s is process start to the first request (imports, keys, journal
+replay, engine start), generation_s the first request to the last answer (the window the rates
+and progress lines use), write_s the output and journal compaction, total_s all of it
+(`wall_time_s`, kept for older readers).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from tokenmill import contracts, keys
+from tokenmill.generate import engines, journal
+from tokenmill.generate.client import (
+    OK,
+    REJECTED,
+    Client,
+    ClientOptions,
+    EngineDied,
+    FailFast,
+    GenerationFailed,
+    Item,
+    RejectionGuard,
+    Stats,
+)
+from tokenmill.generate.launch import ExternalEngines, ManagedEngine
+from tokenmill.model import model_vocab_size
+from tokenmill.redaction import redact
+from tokenmill.settings import (
+    CategorySettings,
+    GenerationSettings,
+    TokenizerSettings,
+    effective_resources,
+    thaw,
+)
+
+log = logging.getLogger("tokenmill.generate")
+
+# Prompts whose journal records are read (and decoded) at once while the output is written.
+FETCH_ROWS = 256
+# Row groups of the tokenized shard kept decoded for building requests (they are asked for in
+# shard order, so one or two are in use at a time; a retry may reach back a little).
+PROMPT_ROW_GROUPS_CACHED = 4
+
+
+# ------------------------------------------------------------------------------ settings
+
+
+def api_key(gen: GenerationSettings) -> str | None:
+    """The API key from generation.api_key_env (None without one); an unset variable fails."""
+    name = gen.api_key_env
+    if not name:
+        return None
+    value = os.environ.get(name)
+    if not value:
+        raise ValueError(f"generation.api_key_env: environment variable {name} is not set")
+    return value
+
+
+def resolve_stop_ids(
+    gen: GenerationSettings, tok_cfg: TokenizerSettings, basedir: str, shard_meta: dict
+):
+    """(stop token ids, where they came from). Strings were resolved by `tokenmill tokenize`
+    into the tokenized shard's metadata; only a shard written without them (or for other stop
+    tokens) makes this load the tokenizer, which imports transformers."""
+    tokens = list(gen.stop_tokens)
+    if all(isinstance(t, int) for t in tokens):
+        return tokens, "config"
+    stored = shard_meta.get(contracts.META_STOP_TOKENS)
+    if stored is not None and json.loads(stored) == tokens:
+        return json.loads(shard_meta[contracts.META_STOP_TOKEN_IDS]), "tokenized shard metadata"
+    log.warning(
+        "stop tokens %s are not resolved in the tokenized shard's metadata (%s); loading the "
+        "tokenizer to resolve them",
+        tokens,
+        "written for other stop tokens" if stored is not None else "written without them",
+    )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from tokenmill.tokenization.tokenizer import (  # heavy: only when needed
+        load_tokenizer,
+        resolve_token_ids,
+    )
+
+    return resolve_token_ids(load_tokenizer(tok_cfg, basedir), tokens), "tokenizer"
+
+
+# --------------------------------------------------------------------------------- shard
+
+
+class Shard:
+    """The shard's prompts, their lengths and sample keys, read one row group at a time.
+
+    The prompt ids themselves are not kept: `ids(i)` reads them again from the file (a few
+    decoded row groups cached), so memory follows a row group whatever the shard's size.
+    """
+
+    def __init__(self, path: str, fingerprint: str, seed_policy: str):
+        # Not memory-mapped: mapped pages of the file would count in the job's RSS.
+        self.pf = pq.ParquetFile(path, memory_map=False)
+        self.metadata = contracts.read_metadata(path)
+        n = self.metadata.get(contracts.META_NUM_SHARDS)
+        self.num_shards = int(n) if n else None
+        self.prompt_id: list[str] = []
+        self.keys: list[str] = []
+        lengths, sizes = [], []
+        for g in range(self.pf.num_row_groups):
+            t = self.pf.read_row_group(g, columns=["prompt_id", "prompt_ids"])
+            self.prompt_id += t.column("prompt_id").to_pylist()
+            values, offsets = contracts.list_arrays(t.column("prompt_ids"))
+            lengths.append(np.diff(offsets))
+            sizes.append(t.num_rows)
+            self.keys += keys.sample_keys(fingerprint, (values, offsets))
+        self.lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        self._groups: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self.seed_policy = seed_policy
+
+    def __len__(self):
+        return len(self.prompt_id)
+
+    def ids(self, i: int) -> np.ndarray:
+        g = int(np.searchsorted(self.starts, i, side="right")) - 1
+        if g not in self._groups:
+            col = self.pf.read_row_group(g, columns=["prompt_ids"]).column(0)
+            self._groups[g] = contracts.list_arrays(col)
+            if len(self._groups) > PROMPT_ROW_GROUPS_CACHED:
+                self._groups.popitem(last=False)
+        self._groups.move_to_end(g)
+        values, offsets = self._groups[g]
+        r = i - int(self.starts[g])
+        return values[offsets[r] : offsets[r + 1]]
+
+    def item(self, i: int) -> Item:
+        key = self.keys[i]
+        seed = keys.sampling_seed(key) if self.seed_policy == "per_sample" else None
+        return ShardItem(self, i, key, seed)
+
+
+class ShardItem(Item):
+    """An Item whose prompt ids are read from the tokenized shard when a request is built, so
+    that the queue of missing samples holds no token lists."""
+
+    def __init__(self, shard: Shard, i: int, key: str, seed: int | None):
+        self.prompt_id, self.key, self.seed = shard.prompt_id[i], key, seed
+        self._shard, self._i = shard, i
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self._shard.ids(self._i).tolist()
+
+
+def check_vocab(shard: Shard, gen: GenerationSettings, basedir: str, meta: dict) -> None:
+    """Refuse to send a prompt id the model cannot embed: SGLang's scheduler dies on one (a
+    tokenizer/model mismatch), and a managed engine would crash-loop through its restarts."""
+    vocab, source = model_vocab_size(gen.model, basedir, gen.revision)
+    meta["vocab_check"] = {"vocab_size": vocab, "source": source}
+    if vocab is None:
+        log.warning("prompt ids not range-checked before generation: %s", source)
+        return
+    rows: list[int] = []
+    first_bad = None
+    for g in range(shard.pf.num_row_groups):  # a row group at a time, like the rest of the job
+        col = shard.pf.read_row_group(g, columns=["prompt_ids"])[0]
+        values, offsets = contracts.list_arrays(col)
+        bad = np.flatnonzero((values >= vocab) | (values < 0))
+        if len(bad):
+            first_bad = int(values[bad[0]]) if first_bad is None else first_bad
+            local = np.unique(np.searchsorted(offsets, bad, side="right") - 1)
+            rows += (local + int(shard.starts[g])).tolist()
+    if rows:
+        ids = [shard.prompt_id[r] for r in rows[:5]]
+        raise ValueError(
+            f"{len(rows)} prompts hold token ids outside the model's vocabulary [0, {vocab}) "
+            f"({source}), e.g. id {first_bad} in prompt {ids[0]} (prompts "
+            f"{', '.join(ids)}): the tokenizer does not belong to generation.model "
+            f"{gen.model!r}. Nothing was sent (such an id kills SGLang's scheduler)"
+        )
+
+
+# ----------------------------------------------------------------------------------- job
+
+
+@dataclass
+class Job:
+    """What the steps of one generate job share."""
+
+    args: object  # the command's arguments (category, shard, paths)
+    gen: GenerationSettings
+    tok_cfg: TokenizerSettings
+    meta: dict
+    clock: dict  # monotonic times: t0 (process start), run, replayed, first_request, ...
+    fingerprint: str
+    api: engines.EngineAPI
+    shard: Shard
+    sj: journal.ShardJournal
+    index: journal.Index
+    migration: dict | None = None  # what ensure_layout moved (None: nothing)
+    pre_rejected: dict = field(default_factory=dict)  # row -> (reason, detail), never sent
+    counts: dict = field(default_factory=dict)
+    stats: Stats = field(default_factory=Stats)
+    unjournaled: dict = field(default_factory=dict)  # this job's engine errors, by key
+
+
+def open_job(args, gen: GenerationSettings, tok_cfg: TokenizerSettings, meta: dict,
+             t0: float | None, wanted, pre_reject=None) -> Job:  # fmt: skip
+    """Check the settings a request needs, read the shard's keys, bring the journal to the
+    shard count (a changed count moves records once, here, in the first job that sees it) and
+    index this shard's journal files. `wanted(shard, pre_rejected)`: the keys to index (None:
+    every record of the shard's files); `pre_reject(shard)`: {row: (reason, detail)} of prompts
+    refused before any engine sees them. The caller closes job.index."""
+    t_run = time.monotonic()
+    fingerprint = keys.generation_fingerprint(gen)
+    api = engines.for_config(gen)  # the engine-specific part: requests, answers, identity
+    # The engine's sampling keys are checked before the first request is paid for.
+    engines.validate(gen)
+    api_key(gen)  # an unset key variable fails here, before any work
+    shard = Shard(args.tokenized, fingerprint, gen.seed_policy)
+    pre_rejected = pre_reject(shard) if pre_reject is not None else {}
+    want = wanted(shard, pre_rejected)
+    migration = None
+    if shard.num_shards is not None:
+        migration = journal.ensure_layout(args.journal_dir, args.category, shard.num_shards)
+    sj = journal.ShardJournal(args.journal_dir, args.category, args.shard)
+    index = sj.open(want)
+    clock = {"t0": t_run if t0 is None else t0, "run": t_run}
+    return Job(args, gen, tok_cfg, meta, clock, fingerprint, api, shard, sj, index, migration,
+               pre_rejected)  # fmt: skip
+
+
+def common_meta(job: Job) -> dict:
+    """The meta keys every generate job writes before it starts an engine."""
+    return dict(
+        generation_fingerprint=job.fingerprint,
+        category=job.args.category,
+        shard=job.args.shard,
+        mode=job.gen.mode,
+        engine=job.api.name,
+        engine_started=False,
+        counts=job.counts,
+    )
+
+
+async def generate(job: Job, missing: list[Item], frontier=None, follow=None) -> None:
+    """Start (or reach) the engine and generate the missing samples into the journal.
+    Conversations (generate/conversations.py): `follow(record)` gives the items an answer makes
+    possible, `frontier()` the items still to send after an engine restart."""
+    args, gen, meta, clock, stats, api = job.args, job.gen, job.meta, job.clock, job.stats, job.api
+    managed = gen.managed
+    key = api_key(gen)
+    secrets = [key] if key else []
+    stop_ids, meta["stop_token_ids_from"] = resolve_stop_ids(
+        gen, job.tok_cfg, args.basedir, job.shard.metadata
+    )
+    check_vocab(job.shard, gen, args.basedir, meta)
+    opts = ClientOptions.from_config(gen, stop_ids, key)
+    ok_before = sum(1 for k in job.index.entries if job.index.ok(k))
+    guard = RejectionGuard(opts.reject_max_fraction, opts.reject_min_count, ok_before)
+    engine = (
+        ManagedEngine(gen, args.log_dir, args.basedir, key, api=api)
+        if managed
+        else ExternalEngines(gen, key, api=api, basedir=args.basedir)
+    )
+    writer, append = job.sj.writer(job.index)
+    meta["journal"]["file"] = str(writer.path)
+    # Rejections are journaled (as final) only once the shard passed the rejection guard;
+    # engine errors never are: a later run of the shard tries those prompts again.
+    held: list[dict] = []
+    answered: set[str] = set()
+
+    def on_record(rec: dict) -> None:
+        if rec["status"] == OK:
+            append(rec)  # journaled and indexed; the record itself is not kept
+            job.unjournaled.pop(rec["key"], None)
+        elif rec["status"] == REJECTED:
+            held.append(rec)
+        else:
+            job.unjournaled[rec["key"]] = rec
+        answered.add(rec["key"])
+        clock["last_answer"] = time.monotonic()
+
+    restarts = 0
+    try:
+        meta["engine_started"] = True
+        t_engine = time.monotonic()
+        await engine.start()
+        clock["engine_start_s"] = time.monotonic() - t_engine
+        engine_meta(meta, engine, secrets)
+        if not managed:
+            sti = any(api.server_skips_tokenizer(si) for si in engine.server_info.values())
+            api.validate_sampling(thaw(gen.sampling), sti)
+        urls = [engine.url] if managed else engine.urls
+        while True:
+            if frontier is not None:
+                todo = frontier()
+            else:
+                todo = [it for it in missing if it.key not in answered]
+            if not todo:
+                break
+            alive = engine.alive if managed else None
+            client = Client(
+                urls, opts, on_record, alive, stats, api=api, guard=guard, follow=follow
+            )
+            if "first_request" not in clock:
+                # The generation window opens now: progress lines' rates count from here.
+                clock["first_request"] = stats.started = time.monotonic()
+            try:
+                await client.run(todo)
+            except FailFast as exc:
+                raise GenerationFailed(
+                    f"{exc}\nlast lines of the engine log:\n{engine.log_tail()}"
+                ) from None
+            except EngineDied as exc:
+                if restarts >= gen.launch.max_restarts:
+                    raise GenerationFailed(
+                        f"engine died {restarts + 1} times (launch.max_restarts={restarts}); "
+                        f"last: {exc}; engine log tail:\n{engine.log_tail()}"
+                    ) from None
+                restarts += 1
+                log.warning("engine died (%s); restart %d", exc, restarts)
+                engine.stop()
+                await engine.start()
+                engine_meta(meta, engine, secrets)
+                urls = [engine.url]
+        for rec in held:
+            append(rec)
+    finally:
+        writer.close()  # the journal first: it holds what was paid for
+        engine.stop()
+        job.counts.update(
+            requested=stats.requested, retries=stats.retries, restarts=restarts,
+            generated=stats.done, engine_rejected=stats.rejected, engine_errors=stats.errors,
+        )  # fmt: skip
+
+
+def engine_meta(meta: dict, engine, secrets: list[str]) -> None:
+    """What the job's meta says about the engine it reached (secrets redacted)."""
+    meta["server_info"] = redact(engine.server_info, secrets)
+    meta["model_info"] = redact(engine.model_info, secrets)
+    meta["model_check"] = engine.model_check
+    # False: the server ignores sampling_seed (generation.allow_ignored_seeds let it run).
+    meta["seeds_honoured"] = engine.notes.get("seeds_honoured")
+    if isinstance(engine, ManagedEngine):
+        meta["engine_argv"] = engine.redacted_argv()
+        meta["engine_url"] = engine.url
+        meta["engine_starts"] = engine.starts
+    else:
+        meta["engine_urls"] = redact(engine.urls, secrets)
+
+
+# -------------------------------------------------------------------------------- output
+
+
+class OutputFrame:
+    """The frame of a shard's two output files: their metadata and the count check.
+
+    `n_in` records came in (prompts, or conversations); `kept` of them are in the generated
+    file (a conversation with several turns is one record there), `rejected` in the rejected
+    file; in = kept + rejected (contracts.check_conservation) before the files count as
+    written. `extra`: metadata keys of the variant (e.g. the context), placed before the counts
+    as the files always had them."""
+
+    def __init__(self, job: Job, n_in: int, extra: dict | None = None, counts: bool = True):
+        self.job, self.n_in = job, n_in
+        self.metadata = {
+            contracts.META_GENERATION_FINGERPRINT: job.fingerprint,
+            contracts.META_CATEGORY: job.args.category,
+            contracts.META_SHARD: job.args.shard,
+            **(extra or {}),
+            contracts.META_RECORDS_IN: str(n_in),
+        }
+        self._counts = counts
+
+    def expect(self, kept: int, rejected: int) -> None:
+        """Record the counts the files will hold (plain shards write them into the metadata)."""
+        contracts.check_conservation("generate", self.n_in, kept, rejected)
+        if self._counts:
+            self.metadata[contracts.META_KEPT] = str(kept)
+            self.metadata[contracts.META_REJECTED] = str(rejected)
+
+    def check(self, kept: int, rejected: int) -> None:
+        """Every record exactly once, in one of the two files."""
+        contracts.check_conservation("generate", self.n_in, kept, rejected)
+
+
+def rejected_row(job: Job, reason: str, detail, prompt_id: str, record: dict) -> dict:
+    """A generate rejected row (contracts.rejected_row) of this job's category."""
+    return contracts.rejected_row(
+        "generate", job.args.category, reason, detail=detail, prompt_id=prompt_id, record=record
+    )
+
+
+def commit_compaction(compaction: journal.Compaction | None, num_shards) -> dict | None:
+    """Swap the compacted journal in once the output is written; what meta["journal"]
+    ["compaction"] records (None: nothing to compact)."""
+    if compaction is None:
+        return None
+    try:
+        return compaction.commit(num_shards)
+    except (OSError, journal.JournalError) as exc:
+        # The output is written and the journal still holds every record (the old files or a
+        # superset of them): the next run compacts again.
+        compaction.abort()
+        log.warning("journal compaction failed, the journal is left as it was: %s", exc)
+        return {"error": str(exc)}
+
+
+# ------------------------------------------------------------------------ timing and cost
+
+
+def timing(clock: dict, t_write: float, t_end: float) -> dict:
+    """Start-up (process start to the first request), the generation window (first request to
+    last answer), writing (output + journal compaction) and the total, in seconds."""
+    first = clock.get("first_request")
+    last = clock.get("last_answer", first)
+    startup_end = first if first is not None else clock["replayed"]
+    return {
+        "startup_s": round(startup_end - clock["t0"], 3),
+        "generation_s": round(last - first, 3) if first is not None else 0.0,
+        "write_s": round(t_end - t_write, 3),
+        "total_s": round(t_end - clock["t0"], 3),
+        "imports_s": round(clock["run"] - clock["t0"], 3),
+        "replay_s": round(clock["replayed"] - clock["run"], 3),
+        "engine_start_s": round(clock["engine_start_s"], 3) if "engine_start_s" in clock else None,
+    }
+
+
+def finish_timing(job: Job, t_write: float) -> dict:
+    """meta timing and wall_time_s, now; returns the timing."""
+    job.meta["timing"] = t = timing(job.clock, t_write, time.monotonic())
+    job.meta["wall_time_s"] = t["total_s"]
+    return t
+
+
+def held_resources(gen: GenerationSettings, category: str, meta: dict, environ=None) -> dict:
+    """What the job held, for its cost (meta["held"]; dataset/stats.py multiplies the job's
+    wall time by `gpus`): GPUs per node, nodes, GPUs in all, the engine's version, and where
+    the numbers came from.
+
+    - external mode: the servers' GPUs are not the job's: every count null;
+    - inside a SLURM allocation: SLURM_JOB_NUM_NODES and SLURM_GPUS_ON_NODE (else
+      SLURM_GPUS_PER_NODE, else the devices in CUDA_VISIBLE_DEVICES; none of them: 0);
+    - elsewhere: the category's effective resources.gpus (generation.resources with the
+      category's overrides, from the workflow's resolved config in TOKENMILL_CONFIG_JSON; a job
+      started by hand without it: generation.resources.gpus) x launch.nnodes.
+    """
+    env = os.environ if environ is None else environ
+    version = _engine_version(meta.get("server_info"), gen.managed)
+    if not gen.managed:
+        return {"gpus_per_node": None, "nodes": None, "gpus": None, "engine_version": version,
+                "source": "external servers"}  # fmt: skip
+    if env.get("SLURM_JOB_ID"):
+        nodes = _int(env.get("SLURM_JOB_NUM_NODES")) or 1
+        per_node, source = _int(env.get("SLURM_GPUS_ON_NODE")), "SLURM_GPUS_ON_NODE"
+        if per_node is None:
+            per_node, source = _int(env.get("SLURM_GPUS_PER_NODE")), "SLURM_GPUS_PER_NODE"
+        if per_node is None and env.get("CUDA_VISIBLE_DEVICES") is not None:
+            visible = [d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+            per_node, source = len(visible), "CUDA_VISIBLE_DEVICES"
+        if per_node is None:
+            per_node, source = 0, "no GPUs in the allocation"
+        source = f"SLURM allocation: SLURM_JOB_NUM_NODES, {source}"
+    else:
+        from tokenmill.config import ENV_CONFIG
+
+        categories = json.loads(env[ENV_CONFIG]).get("categories") if env.get(ENV_CONFIG) else {}
+        cat = (categories or {}).get(category)
+        res = effective_resources(gen, CategorySettings.from_raw(cat) if cat else None)
+        per_node, nodes = res.gpus, gen.launch.nnodes
+        source = f"categories.{category}.resources over " if cat else ""
+        source += "generation.resources x launch.nnodes (no SLURM allocation)"
+    return {"gpus_per_node": per_node, "nodes": nodes, "gpus": per_node * nodes,
+            "engine_version": version, "source": source}  # fmt: skip
+
+
+def _int(value) -> int | None:
+    """The leading integer of a SLURM count ("4", "4(x2)", "gpu:4" -> 4), None if none."""
+    if value is None:
+        return None
+    text = str(value).split("(")[0].rsplit(":", 1)[-1].strip()
+    return int(text) if text.isdigit() else None
+
+
+def _engine_version(server_info, managed: bool):
+    """The version the engine reported in server_info (external: per URL; one value when they
+    agree), None where it reports none or was never reached."""
+    if not server_info:
+        return None
+    infos = [server_info] if managed else list(server_info.values())
+    versions = sorted({str(si["version"]) for si in infos if isinstance(si, dict) and
+                       si.get("version") is not None})  # fmt: skip
+    if not versions:
+        return None
+    return versions[0] if len(versions) == 1 else versions
