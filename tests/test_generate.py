@@ -853,9 +853,8 @@ def test_held_resources_record_what_the_job_was_given():
     """meta["held"] (the GPUs that dataset/stats.py counts): a SLURM allocation's own numbers,
     else the job's config (the category's override x launch.nnodes); none for external
     servers. The engine version is the one its server_info reports."""
-    from tokenmill.config import ENV_CONFIG
     from tokenmill.generate.job import held_resources
-    from tokenmill.settings import load_section
+    from tokenmill.settings import ENV_CONFIG, load_section
 
     gen = load_section({"model": "m", "resources": {"gpus": 2}, "launch": {"nnodes": 2}},
                        "generation")  # fmt: skip

@@ -149,12 +149,14 @@ def test_external_0_5_16_from_another_path_is_accepted(tmp_path):
 
 
 def test_model_vocab_size(tmp_path):
+    from tokenmill.model import model_vocab_size
+
     _model_dir(tmp_path / "m", vocab=123)
-    assert eng.model_vocab_size("m", tmp_path) == (123, str(tmp_path / "m" / "config.json"))
+    assert model_vocab_size("m", tmp_path) == (123, str(tmp_path / "m" / "config.json"))
     (tmp_path / "mm").mkdir()
     (tmp_path / "mm" / "config.json").write_text('{"text_config": {"vocab_size": 9}}')
-    assert eng.model_vocab_size("mm", tmp_path)[0] == 9
-    assert eng.model_vocab_size("nobody/nothing", tmp_path)[0] is None
+    assert model_vocab_size("mm", tmp_path)[0] == 9
+    assert model_vocab_size("nobody/nothing", tmp_path)[0] is None
 
 
 @pytest.mark.parametrize("version", VERSIONS)

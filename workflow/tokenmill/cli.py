@@ -9,8 +9,6 @@ from __future__ import annotations
 import importlib
 import sys
 
-from tokenmill.settings import json_arg  # noqa: F401 - moved; kept until every stage imports it from settings
-
 COMMANDS = {
     "check-config": ("tokenmill.config", "validate a config file and print it resolved"),
     "prepare": ("tokenmill.prepare.stage", "sources of one category -> normalized prompts"),

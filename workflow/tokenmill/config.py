@@ -17,6 +17,10 @@ from tokenmill.keys import generation_fingerprint
 from tokenmill.prepare.hooks import load_hook
 from tokenmill.prepare.sources import SourceError, expand_paths
 from tokenmill.settings import (  # noqa: F401 - re-exported for the Snakefile and tests
+    ENV_CONFIG,
+    ENV_CONFIGFILES,
+    ENV_GENERATION,
+    ENV_JOURNAL_DIR,
     SCHEMA_PATH,
     ConfigError,
     Settings,
@@ -110,13 +114,6 @@ def check_semantics(config: Settings | dict, basedir: str | Path = ".") -> None:
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
-
-# What a job needs but must not rerun on: the rules read these variables in their shell
-# commands (set by workflow/rules/common.smk from the resolved config at parse time).
-ENV_CONFIG = "TOKENMILL_CONFIG_JSON"  # the whole resolved config
-ENV_GENERATION = "TOKENMILL_GENERATION_JSON"  # its generation section
-ENV_JOURNAL_DIR = "TOKENMILL_JOURNAL_DIR"
-ENV_CONFIGFILES = "TOKENMILL_CONFIGFILES_JSON"  # the --configfile paths, a JSON list
 
 # Top-level keys that say where or how to run, not what to produce.
 OPERATIONAL_TOP_KEYS = ("journal_dir",)

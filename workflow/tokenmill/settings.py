@@ -180,6 +180,15 @@ def load_config_file(path: str | Path) -> dict:
         return yaml.safe_load(f) if str(path).endswith((".yaml", ".yml")) else json.load(f)
 
 
+# What a job needs but must not rerun on: the rules read these variables in their shell
+# commands (set by workflow/rules/common.smk from the resolved config at parse time, see
+# config.job_environment); a job's command loads its section from them with load_section.
+ENV_CONFIG = "TOKENMILL_CONFIG_JSON"  # the whole resolved config
+ENV_GENERATION = "TOKENMILL_GENERATION_JSON"  # its generation section
+ENV_JOURNAL_DIR = "TOKENMILL_JOURNAL_DIR"
+ENV_CONFIGFILES = "TOKENMILL_CONFIGFILES_JSON"  # the --configfile paths, a JSON list
+
+
 # --------------------------------------------------------------------------------------------
 # Settings objects
 

@@ -58,6 +58,7 @@ from tokenmill.generate.launch import ExternalEngines, ManagedEngine
 from tokenmill.model import model_vocab_size
 from tokenmill.redaction import redact
 from tokenmill.settings import (
+    ENV_CONFIG,
     CategorySettings,
     GenerationSettings,
     TokenizerSettings,
@@ -491,8 +492,6 @@ def held_resources(gen: GenerationSettings, category: str, meta: dict, environ=N
             per_node, source = 0, "no GPUs in the allocation"
         source = f"SLURM allocation: SLURM_JOB_NUM_NODES, {source}"
     else:
-        from tokenmill.config import ENV_CONFIG
-
         categories = json.loads(env[ENV_CONFIG]).get("categories") if env.get(ENV_CONFIG) else {}
         cat = (categories or {}).get(category)
         res = effective_resources(gen, CategorySettings.from_raw(cat) if cat else None)

@@ -48,7 +48,6 @@ from tokenmill.model import (
     hub_cache_dir,
     hub_id_of,
     local_dir,
-    model_vocab_size,  # noqa: F401 - generate/stage.py imports it here
     weights_fingerprint,
 )
 from tokenmill.redaction import redact, redact_argv

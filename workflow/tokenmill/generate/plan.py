@@ -44,10 +44,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokenmill import contracts, keys
-from tokenmill.config import ConfigError, load_config
 from tokenmill.generate import conversations, job, journal
 from tokenmill.generate.resources import category_resources, gpus_per_job
-from tokenmill.settings import Settings
+from tokenmill.settings import ConfigError, Settings, load_config_file
 from tokenmill.tokenization.shards import shard_names
 
 log = logging.getLogger("tokenmill.plan")
@@ -362,7 +361,7 @@ def main(argv: list[str]) -> int:
         p.error("--throughput must be a positive number")
     basedir = Path(a.basedir)
     try:
-        config = load_config(a.configfile, basedir)
+        config = Settings.from_config(load_config_file(a.configfile)).raw
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
