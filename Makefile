@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo test lint bench clean
+.PHONY: demo check test test-deps lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,21 +20,40 @@ demo: $(VENV)/.installed
 	$(BIN)/snakemake --profile profiles/local
 	$(BIN)/snakemake --profile profiles/local --report results/report.html
 
-# The whole test suite (lint and format checks included).
-test: $(VENV)/.installed
-	$(BIN)/pytest -q
-	# The two-node runs through the real SLURM plugin need the two-node cluster's config in
-	# /etc/slurm, where the session above keeps its single-node cluster: a session of their own
-	# (as root; tests/test_slurm_multinode.py skips them elsewhere).
-	if [ "$$(id -u)" = 0 ]; then \
-		TOKENMILL_SLURM_NODES=2 TOKENMILL_SLURM_ETC=/etc/slurm \
-		$(BIN)/pytest -q -m slurm tests/test_slurm_multinode.py; \
-	fi
-
+# Lint and format gates, outside pytest: seconds. The first step of `make check` and `make test`.
 lint: $(VENV)/.installed
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
-	$(BIN)/snakefmt --check Snakefile workflow/rules
-	$(BIN)/snakemake --lint
+	$(BIN)/python tests/lint.py
+
+# Day-to-day: lint, then the unit and fake-server tests (no real SLURM, no real engines, no
+# trainers, no end-to-end Snakemake runs: see the markers in pyproject.toml).
+CHECK_MARKERS := not (e2e or slow or engines or slurm or trainers)
+check: lint
+	$(BIN)/pytest -q -m "$(CHECK_MARKERS)" --durations=25
+
+# The whole test suite: lint, what the suites need from apt, then two pytest sessions. Both
+# sessions run even when the first fails; the exit status says whether either did.
+# - everything but the two-node SLURM module, with the single-node cluster (config in /etc/slurm);
+# - the two-node SLURM module (tests/test_slurm_multinode.py): its real Snakemake runs need the
+#   two-node cluster's config in /etc/slurm, where the first session keeps the single-node one,
+#   so it gets a session (and one cluster start) of its own. Without root it skips, and under
+#   CI=true it fails.
+test: lint test-deps
+	rc=0; \
+	$(BIN)/pytest -q --durations=25 --ignore=tests/test_slurm_multinode.py || rc=$$?; \
+	TOKENMILL_SLURM_NODES=2 TOKENMILL_SLURM_ETC=/etc/slurm \
+		$(BIN)/pytest -q --durations=25 tests/test_slurm_multinode.py || rc=$$?; \
+	exit $$rc
+
+# Packages from apt that the suites need (as root, Debian/Ubuntu): bubblewrap for the container
+# test (tests/test_fake_apptainer.py; under CI=true its absence is a failure). The SLURM suites
+# install theirs through tests/slurm/cluster.sh.
+test-deps:
+	@if ! command -v bwrap >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "apt-get install bubblewrap"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-cache show bubblewrap >/dev/null 2>&1 || apt-get update -qq >/dev/null; \
+		apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null; \
+	fi
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_tokenize.py

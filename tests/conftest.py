@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers import copy_workflow, failed, snakemake
 
 # No Hugging Face downloads, ever: set before anything imports huggingface_hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -45,3 +46,15 @@ def sample_model_dir() -> Path:
     path = REPO_ROOT / "sample" / "model"
     assert (path / "tokenizer.json").is_file(), f"{path} is missing the committed demo model"
     return path
+
+
+@pytest.fixture(scope="session")
+def demo_workdir(tmp_path_factory) -> Path:
+    """The demo (config.yaml, the reference engine on CPU) run end to end by Snakemake in a tmp
+    copy of the workflow, once per test session (about 2 min), for every module that reads a
+    finished run. Read-only: a test that edits files or reruns Snakemake works on a copy
+    (helpers.copy_run)."""
+    workdir = copy_workflow(tmp_path_factory.mktemp("demo"))
+    proc = snakemake(workdir)
+    assert proc.returncode == 0, failed(proc)
+    return workdir

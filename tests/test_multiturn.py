@@ -219,6 +219,7 @@ def qwen3_run(tmp_path_factory):
     return pipe, pipe.run(tmp / "data" / "a.jsonl", "first")
 
 
+@pytest.mark.slow  # the real CLI stages, prepare to merge: 10-40 s each
 @pytest.mark.parametrize("run", ["kimi_run", "qwen3_run"])
 def test_each_turn_prompt_is_the_template_of_the_models_own_answers(run, request):
     pipe, r = request.getfixturevalue(run)
@@ -251,6 +252,7 @@ GEN_COLUMNS = ["prompt_id", "turn", "sample_key", "turn_prompt_ids", "output_ids
                "conversation_end"]  # fmt: skip
 
 
+@pytest.mark.slow  # the real CLI stages, prepare to merge: 10-40 s each
 def test_kill_between_turns_resumes_at_the_first_unjournaled_turn(kimi_run, tmp_path):
     pipe, first = kimi_run
     total = first["gen"].num_rows
@@ -276,6 +278,7 @@ def test_kill_between_turns_resumes_at_the_first_unjournaled_turn(kimi_run, tmp_
     assert again["gen"].select(GEN_COLUMNS).equals(first["gen"].select(GEN_COLUMNS))
 
 
+@pytest.mark.slow  # the real CLI stages, prepare to merge: 10-40 s each
 def test_sigkill_mid_conversation_resumes_without_asking_a_finished_turn_again(tmp_path):
     """A real kill: the stand-in server answers 3 requests (the conversations' first turns) and
     holds the rest (their second turns, sent because the first ones were journaled); the job is
@@ -324,6 +327,7 @@ def test_sigkill_mid_conversation_resumes_without_asking_a_finished_turn_again(t
     assert resumed.select(GEN_COLUMNS).equals(clean["gen"].select(GEN_COLUMNS))
 
 
+@pytest.mark.slow  # the real CLI stages, prepare to merge: 10-40 s each
 def test_a_journaled_refusal_that_does_not_blame_the_prompt_is_asked_again(kimi_run, tmp_path):
     pipe, first = kimi_run
     recs = journal_records(pipe.journal, first["gen"])
@@ -363,6 +367,7 @@ def _keys_by_conversation(gen) -> dict[str, list[str]]:
     return out
 
 
+@pytest.mark.slow  # the real CLI stages, prepare to merge: 10-40 s each
 def test_one_turn_edit_regenerates_that_conversation_from_that_turn(kimi_run, tmp_path):
     pipe, first = kimi_run
     edited = [list(c) for c in CONVERSATIONS]
@@ -401,6 +406,7 @@ def tool_record(city: str) -> dict:
     ], "tools": TOOLS}  # fmt: skip
 
 
+@pytest.mark.slow  # the real CLI stages, prepare to merge: 10-40 s each
 @pytest.mark.parametrize(("think_end", "exact"), [(None, True), ("</think>", False)])
 def test_a_tool_call_turn_goes_on_only_when_the_model_made_the_dataset_call(
     tmp_path, think_end, exact
@@ -448,6 +454,7 @@ def test_a_tool_call_turn_goes_on_only_when_the_model_made_the_dataset_call(
     assert r["meta"]["counts"]["conversation_ends"] == {"complete": 1, "tool_call_diverged": 1}
 
 
+@pytest.mark.slow  # the real CLI stages, prepare to merge: 10-40 s each
 def test_prefix_exact_template_gives_one_sequence_per_conversation(tmp_path):
     write_data(tmp_path / "data" / "a.jsonl", CONVERSATIONS)
     tok_cfg = {"path": "sample/model", "chat_template": str(TEMPLATES / "chatml_like.jinja")}

@@ -6,10 +6,8 @@ the finished pipeline (nothing left to send; the mean output length = the genera
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import fake_sglang
@@ -17,22 +15,16 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import yaml
-
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
+from helpers import BIN, ROOT, copy_workflow, tool_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
-def env() -> dict:
-    return dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", HF_HUB_OFFLINE="1")
 
 
 def snakemake(workdir: Path, *args: str) -> None:
     proc = subprocess.run(
         [str(BIN / "snakemake"), "--profile", "profiles/local", "--cores", "2",
          "--configfile", "plan.yaml", *args],
-        cwd=workdir, env=env(), capture_output=True, text=True, timeout=900,
+        cwd=workdir, env=tool_env(), capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
@@ -40,7 +32,7 @@ def snakemake(workdir: Path, *args: str) -> None:
 def plan(workdir: Path, *args: str, config: str = "plan.yaml", rc: int = 0):
     proc = subprocess.run(
         [str(BIN / "tokenmill"), "plan", "--configfile", config, *args],
-        cwd=workdir, env=env(), capture_output=True, text=True, timeout=300,
+        cwd=workdir, env=tool_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == rc, proc.stdout + proc.stderr
     if "--json" in args and rc == 0:
@@ -56,11 +48,7 @@ def by_category(p: dict) -> dict:
 def tokenized(tmp_path_factory):
     """The sample data's code (2 shards), chat (1 shard) and multiturn (`context: regenerated`,
     1 shard) categories, tokenized for real."""
-    workdir = tmp_path_factory.mktemp("plan")
-    for name in ("Snakefile", "config.yaml"):
-        shutil.copy2(ROOT / name, workdir / name)
-    for name in ("workflow", "sample", "profiles"):
-        shutil.copytree(ROOT / name, workdir / name, ignore=shutil.ignore_patterns("__pycache__"))
+    workdir = copy_workflow(tmp_path_factory.mktemp("plan"))
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
     cfg["categories"] = {k: cfg["categories"][k] for k in ("code", "chat", "multiturn")}
     cfg["categories"]["chat"]["shards"] = 1

@@ -5,14 +5,13 @@ grow with the attempt up to their caps, qos/constraint only when set, and the sc
 from __future__ import annotations
 
 import copy
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers import copy_workflow, tool_env
 
 from tokenmill.config import ConfigError, check_config
 from tokenmill.generate.resources import gpus_per_job, job_resources
@@ -101,17 +100,14 @@ def test_bad_resources_fail_naming_the_key(mutate, key, message):
 
 def test_the_rule_gives_each_category_its_resources(tmp_path):
     """A real snakemake dry run: the generate jobs' resources as Snakemake resolved them."""
-    for name in ("Snakefile", "config.yaml"):
-        shutil.copy2(ROOT / name, tmp_path / name)
-    for name in ("workflow", "sample", "profiles"):
-        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    copy_workflow(tmp_path)
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
     cfg["categories"] = {k: cfg["categories"][k] for k in ("code", "chat")}
     cfg["generation"]["launch"]["nnodes"] = 2
     cfg["generation"]["resources"] = {"gpus": 2, "cpus": 2, "mem_mb": 1000, "runtime_min": 30}
     cfg["categories"]["code"]["resources"] = {"runtime_min": 90, "qos": "long"}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+    env = tool_env()
     proc = subprocess.run(
         [str(BIN / "snakemake"), "-n", "--cores", "1", "--configfile", "c.yaml",
          "--verbose", "results/generated/code/000.parquet", "results/generated/chat/000.parquet"],

@@ -26,16 +26,15 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+import helpers
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from helpers import BIN, ROOT, tool_env
 
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
 PROBE = "tests/slurm/engine_probe.py"
 PROBE_LOG = "engine-probe.jsonl"
@@ -69,21 +68,12 @@ def sh(*cmd: str, timeout: float = 60, check: bool = True) -> str:
 
 def env() -> dict:
     # The controller's environment reaches the jobs (--export=ALL): `tokenmill` must be on PATH.
-    return dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", HF_HUB_OFFLINE="1")
+    return tool_env()
 
 
 def copy_workflow(dest: Path) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in ("Snakefile", "config.yaml", "pyproject.toml"):
-        shutil.copy2(ROOT / name, dest / name)
-    for name in ("workflow", "sample", "profiles"):
-        shutil.copytree(
-            ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
-        )
-    (dest / "tests" / "slurm").mkdir(parents=True)
-    shutil.copy2(ROOT / PROBE, dest / PROBE)
-    shutil.copytree(ROOT / "tests/slurm/test-overrides", dest / "tests/slurm/test-overrides")
-    return dest
+    """The workflow, the engine probe and the test cluster's profile overrides."""
+    return helpers.copy_workflow(dest, extra=(PROBE, "tests/slurm/test-overrides"))
 
 
 def make_config(**generation) -> dict:

@@ -18,7 +18,9 @@ What it pins down (docs/cluster.md, "Two nodes: GPUs, nested srun, preemption"):
 Without root or apt the module is skipped (under CI=true that is a failure).
 Run: pytest -m slurm tests/test_slurm_multinode.py (about 2.5 min). With the cluster started
 with TOKENMILL_SLURM_ETC=/etc/slurm (and that variable set for pytest too) it also runs the real
-snakemake runs, which need the config where SLURM looks without SLURM_CONF.
+snakemake runs, which need the config where SLURM looks without SLURM_CONF: `make test` runs the
+module that way, in a pytest session of its own (the other session keeps the single-node
+cluster's config in /etc/slurm), so the cluster starts once.
 """
 
 from __future__ import annotations
@@ -416,6 +418,30 @@ def pipeline_env(**extra: str) -> dict:
     return {**env, **extra}
 
 
+@pytest.fixture(scope="module")
+def tokenized_workflow(cluster2, tmp_path_factory) -> Path:
+    """The workflow copy every pipeline run below starts from: the sample config's code and
+    chat categories prepared and tokenized once, by a local Snakemake run. Tokenize does not
+    read the generation keys these tests change (launch, resources, concurrency: operational,
+    test_workflow.py), so each run submits only its generate jobs to SLURM."""
+    import test_slurm as ts
+
+    needs_etc_slurm()
+    workdir = ts.copy_workflow(tmp_path_factory.mktemp("tokenized") / "wf")
+    cfg = ts.write_config(workdir, ts.make_config())
+    cmd = ts.snakemake_cmd(300, cfg, "--until", "tokenize_prompts", profile="local")
+    rc, text = ts.run(workdir, cmd, "tokenize", timeout=360)
+    assert rc == 0, ts.tail(text)
+    return workdir
+
+
+def workflow_from(tokenized: Path, dest: Path) -> Path:
+    """A copy of the tokenized workflow (Snakemake's state and file times kept)."""
+    from helpers import copy_run
+
+    return copy_run(tokenized, dest)
+
+
 def start_run(workdir: Path, cmd: list, name: str, **extra: str):
     out = workdir / f"{name}.out"
     with open(out, "w") as f:
@@ -431,7 +457,7 @@ def sacct_fields(job: str, fields: str) -> list[dict]:
     return [dict(zip(names, line.split("|"), strict=True)) for line in out.splitlines()]
 
 
-def test_two_node_engine_through_the_slurm_profile(cluster2, tmp_path):
+def test_two_node_engine_through_the_slurm_profile(cluster2, tokenized_workflow, tmp_path):
     """generation.launch.nnodes=2 with gpus=2 (per node): the generate job gets 2 nodes with 2
     GPUs each (sbatch --nodes=2 --gres=gpu:2), the engine's srun one rank per node with that
     node's GPUs, the rendezvous address resolves to the first node's address, every prompt is
@@ -440,7 +466,7 @@ def test_two_node_engine_through_the_slurm_profile(cluster2, tmp_path):
     import test_slurm as ts
 
     needs_etc_slurm()
-    workdir = ts.copy_workflow(tmp_path / "wf")
+    workdir = workflow_from(tokenized_workflow, tmp_path / "wf")
     command = ["{python}", ts.PROBE, "--node-rank", "{node_rank}", "--dist-init-addr",
                "{dist_init_addr}", "--nnodes", "{nnodes}", *ts.PROBE_COMMAND[2:]]  # fmt: skip
     config = ts.make_config(
@@ -490,8 +516,32 @@ def scontrol_job_node_addr(node: str) -> str:
 PREEMPT_DELAY_S = 4  # per /generate request, 2 in flight: a ~40-prompt shard takes ~80 s
 
 
+# What each controller prints once it has seen its job preempted: the plugin's warning
+# (REQUEUE), the controller's watchdog requeueing the cancelled job (CANCEL).
+PREEMPTION_SEEN = {
+    "requeue": "A Job preemption  occured",
+    "cancel": "was preempted and cancelled (PreemptMode=CANCEL); requeued it",
+}
+
+
+def release_when_seen(job: str, proc: subprocess.Popen, out: Path, seen: str) -> None:
+    """SLURM holds a requeued job for about 2 min (Reason=BeginTime; test_preempt_requeue pins
+    that): once the controller has said it saw the preemption, let the job start now, as
+    test_slurm.py does after its `scontrol requeue`. Nothing is released before the controller
+    saw the preemption, so what the tests assert about that is untouched."""
+    deadline = time.monotonic() + 240
+    while seen not in out.read_text() and proc.poll() is None:
+        assert time.monotonic() < deadline, f"the controller never said: {seen}"
+        time.sleep(0.5)
+    for _ in range(20):  # pending again (the watchdog's requeue may take a moment to show)
+        if squeue_states(job).startswith("PENDING"):
+            sh("scontrol", "update", f"jobid={job}", "StartTime=now", check=False)
+            return
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
-def preempted_runs(cluster2, tmp_path_factory):
+def preempted_runs(cluster2, tokenized_workflow, tmp_path_factory):
     """Two controllers side by side, each generating chat/000 on one GPU: one in partition
     debug (PreemptMode=REQUEUE), one in lowcancel (PreemptMode=CANCEL). Once both journaled
     two samples, a job in partition high takes every GPU of both nodes and preempts both."""
@@ -508,7 +558,7 @@ def preempted_runs(cluster2, tmp_path_factory):
     runs, procs = {}, {}
     try:
         for mode, partition in (("requeue", "debug"), ("cancel", "lowcancel")):
-            workdir = ts.copy_workflow(tmp_path_factory.mktemp(mode) / "wf")
+            workdir = workflow_from(tokenized_workflow, tmp_path_factory.mktemp(mode) / "wf")
             cfg = ts.write_config(workdir, config)
             layer = site_layer(workdir, slurm_partition=partition)
             cmd = pipeline_cmd(600, cfg, layer, target)
@@ -526,6 +576,8 @@ def preempted_runs(cluster2, tmp_path_factory):
         high, _ = sbatch(tmp_path_factory.mktemp("high"), "high", "-p", "high", "--nodes=2",
                          "--gres=gpu:2", wrap="sleep 5")  # fmt: skip
         runs["high"] = wait_job(high, timeout=120)
+        for mode, (proc, out) in procs.items():
+            release_when_seen(runs[mode]["job"], proc, out, PREEMPTION_SEEN[mode])
         for mode, (proc, out) in procs.items():
             runs[mode]["rc"], runs[mode]["out"] = ts.finish(proc, out, timeout=560)
             runs[mode]["wall_after_preemption_s"] = round(time.monotonic() - t0)
@@ -574,14 +626,14 @@ def test_preempted_generate_job_resumes_and_the_controller_finishes(preempted_ru
     assert len(starts) == 2, starts  # the preempted engine and the restarted one
 
 
-def test_retries_grow_memory_and_runtime_up_to_the_caps(cluster2, tmp_path):
+def test_retries_grow_memory_and_runtime_up_to_the_caps(cluster2, tokenized_workflow, tmp_path):
     """A generate job that fails every attempt (its engine exits at start): the profile's two
     retries ask for more memory each time (for an OUT_OF_MEMORY kill) and more time (for a
     TIMEOUT), but never more than max_mem_mb and max_runtime_min; the controller then stops."""
     import test_slurm as ts
 
     needs_etc_slurm()
-    workdir = ts.copy_workflow(tmp_path / "wf")
+    workdir = workflow_from(tokenized_workflow, tmp_path / "wf")
     config = ts.make_config(
         launch={"command": ["{python}", "-c", "import sys; sys.exit(3)"]},
         resources={"gpus": 1, "cpus": 1, "mem_mb": 1000, "max_mem_mb": 2500,

@@ -25,7 +25,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,36 +32,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from helpers import BIN, ROOT, copy_run, copy_workflow, snakemake, tool_env
 from test_merge import python_loss_counts  # the plain recount, shared with the merge tests
 
 from tokenmill.tokenization.shards import shard_of
 
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
-
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
-def copy_workflow(dest: Path) -> Path:
-    for name in ("Snakefile", "config.yaml", "pyproject.toml"):
-        shutil.copy2(ROOT / name, dest / name)
-    for name in ("workflow", "sample", "profiles"):
-        shutil.copytree(
-            ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
-        )
-    return dest
-
-
-def snakemake(workdir: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", HF_HUB_OFFLINE="1")
-    return subprocess.run(
-        [str(BIN / "snakemake"), "--profile", "profiles/local", "--cores", "2", *args],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 JOB_HEADER = re.compile(r"^(?:local)?(?:rule|checkpoint) (\w+):$")
@@ -95,11 +70,9 @@ def digests(root: Path, pattern: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    workdir = copy_workflow(tmp_path_factory.mktemp("wf"))
-    proc = snakemake(workdir)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return workdir
+def finished_run(demo_workdir, tmp_path_factory):
+    """The session's demo run (conftest.py), copied: the tests below edit it and rerun."""
+    return copy_run(demo_workdir, tmp_path_factory.mktemp("wf") / "demo")
 
 
 def stop_token_ids(workdir: Path, config: dict) -> set[int]:
@@ -580,9 +553,8 @@ def absolute_run(tmp_path_factory):
     args = ["--configfile", str(configfile)]
 
     argv = [str(BIN / "snakemake"), "--profile", "profiles/local", "--cores", "2", *args]
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", HF_HUB_OFFLINE="1")
     controller = subprocess.Popen(
-        argv, cwd=workdir, env=env, start_new_session=True,
+        argv, cwd=workdir, env=tool_env(), start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     locks, deadline = workdir / ".snakemake" / "locks", time.monotonic() + 300

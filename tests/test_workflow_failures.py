@@ -14,7 +14,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from test_workflow import copy_workflow, snakemake
+from helpers import copy_workflow, snakemake
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
