@@ -330,7 +330,7 @@ class CategorySettings(_Section):
     format_options: Mapping[str, str | None]
     hook: str | None
     turns: str
-    context: str | None  # no schema default (the prepare rule's params hold the category)
+    context: str  # dataset | regenerated
     max_prompts: int | None
     sample_seed: int
     shards: int
@@ -339,13 +339,6 @@ class CategorySettings(_Section):
     @property
     def regenerated(self) -> bool:
         return self.context == "regenerated"
-
-    @property
-    def context_mode(self) -> str:
-        """`context` as the prepare stage reads it: an absent key means "dataset" (the schema
-        gives `context` no default so that the prepare rule's params, which hold the category,
-        stay the same for configs without it)."""
-        return self.context or "dataset"
 
     def source_specs(self) -> list[dict]:
         """Every source as a dict: {path, format} or {hub, config, split, revision, format}."""

@@ -194,7 +194,7 @@ def _source_pass(category: str, cat: CategorySettings, basedir: Path, spill: _Sp
                     continue
                 try:
                     prompts = formats.to_prompts(
-                        record.data, fmt, options, hooks[fmt], cat.turns, cat.context_mode
+                        record.data, fmt, options, hooks[fmt], cat.turns, cat.context
                     )
                 except formats.RecordError as exc:
                     spill.append(source=record.location, raw=record.raw,
@@ -316,10 +316,10 @@ def prepare_files(
         first_source: dict[int, str] = {}
         buckets = _Buckets(spill_dir, -(-n_kept // ROW_GROUP_SIZE))
         meta = _metadata(category, counts)
-        if cat.context_mode != "dataset":
+        if cat.context != "dataset":
             # Read by tokenize: conversation rows instead of prompt rows (only then, so that
             # the files of every other category stay byte-identical).
-            meta[META_CONTEXT] = cat.context_mode
+            meta[META_CONTEXT] = cat.context
         with ParquetWriter(rejected_out, REJECTED, STAGE, meta) as rejected_writer:
             pending: list[dict] = []
             row = 0
