@@ -1,6 +1,7 @@
 """A fake SGLang server (no model) speaking the native API's shapes, with fault injection.
 
-Raw asyncio HTTP/1.1 with keep-alive (fast enough to benchmark a client against). output_ids
+Raw asyncio HTTP/1.1 with keep-alive (fast enough to benchmark a client against); a connection
+idle for 5 s between requests is closed, as SGLang's uvicorn does (--idle-timeout). output_ids
 are a deterministic function of input_ids and end with the first stop_token_id (finish "stop"),
 or run to max_new_tokens (finish "length") when no stop token is given.
 

@@ -574,12 +574,12 @@ def test_rejection_share_under_the_limit_never_trips_the_guard(server):
 @pytest.mark.parametrize("sglang_version", ["0.5.23"])
 def test_rejection_share_clearly_over_the_limit_fails_fast(server):
     url, counter = server("--reject-first-token", "3", "--latency", "0.01")
-    for seed, conc in enumerate([1, 16]):
+    for seed, conc in enumerate([1, 16, 64]):
         opts = _opts(concurrency=conc, reject_max_fraction=0.05, reject_min_count=10)
         before = fake_sglang.count_requests(counter)
         with pytest.raises(TooManyRejections, match=r"prompts refused by the engine \(\d+\.\d%"):
             _run([url], opts, _refusing(500, 100, seed))
-        assert fake_sglang.count_requests(counter) - before < 300, (seed, conc)
+        assert fake_sglang.count_requests(counter) - before < 250, (seed, conc)
 
 
 def test_wilson_lower_bound():
