@@ -1,6 +1,7 @@
 """A fake SGLang server (no model) speaking the native API's shapes, with fault injection.
 
-Raw asyncio HTTP/1.1 with keep-alive (fast enough to benchmark a client against). output_ids
+Raw asyncio HTTP/1.1 with keep-alive (fast enough to benchmark a client against); a connection
+idle for 5 s between requests is closed, as SGLang's uvicorn does (--idle-timeout). output_ids
 are a deterministic function of input_ids and end with the first stop_token_id (finish "stop"),
 or run to max_new_tokens (finish "length") when no stop token is given.
 
@@ -212,6 +213,8 @@ class Fake:
             return 500, "Internal Server Error"
         if ids[0] in a.hang_first_token:
             return "hang"
+        if ids[0] in a.reset_first_token:  # a prompt that crashes a scheduler worker, say
+            return "reset"
         if ids[0] in a.reject_first_token:
             shape = ids[0] % 3
             msg = f"Input length ({len(ids)} tokens) exceeds the maximum allowed length"
@@ -317,10 +320,21 @@ class Fake:
             return await self.vllm_completions(body)
         return 404, {"detail": "Not Found"}
 
+    def idle_timeout(self) -> float | None:
+        t = self.a.idle_timeout
+        if t is None:
+            env = os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE") if self.a.api == "vllm" else None
+            t = float(env) if env else 5.0
+        return t or None
+
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        idle = self.idle_timeout()
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
+                try:  # uvicorn: a connection idle this long between requests is closed
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), idle)
+                except TimeoutError:
+                    return
                 lines = head.decode("latin-1").split("\r\n")
                 method, path, _ = lines[0].split(" ", 2)
                 headers = {}
@@ -421,10 +435,13 @@ def parse_args(argv):
     p.add_argument("--duplicate-rid-first", type=int, default=0,
                    help="first N: 400 Duplicate request ID")  # fmt: skip
     p.add_argument("--fail-400", type=int, default=0, help="first N: 400 not blaming the prompt")
-    for what in ("error", "abort", "hang"):
+    for what in ("error", "abort", "hang", "reset"):
         p.add_argument(f"--{what}-first-token", type=int, action="append", default=[],
                        help=f"prompts whose first token is this: always {what}")  # fmt: skip
     p.add_argument("--api", choices=["sglang", "vllm"], default="sglang")
+    p.add_argument("--idle-timeout", type=float, default=None,
+                   help="close a keep-alive connection idle this long (default 5 s, as SGLang's "
+                   "uvicorn; --api vllm: VLLM_HTTP_TIMEOUT_KEEP_ALIVE or 5; 0: never)")  # fmt: skip
     p.add_argument("--eos-id", type=int, default=None, help="vllm: EOS when no stop ids are sent")
     p.add_argument("--output-len", type=int, default=None, help="tokens before the stop token")
     p.add_argument("--script", help="JSON file: [{ends_with: [ids], output: [ids]}]; a prompt "

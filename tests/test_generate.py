@@ -357,7 +357,7 @@ def test_all_400_shard_fails_loudly_and_caches_no_rejection(tmp_path, version):
     # the same config against a server that can answer generates every prompt.
     r = Run(tmp_path, "--context-length", "20", n=30, version=version)
     out = r.run(expect_rc=1)
-    assert re.search(r"\d+ of \d+ prompts refused by the engine \(\d+% > ", out), out
+    assert re.search(r"\d+ of \d+ prompts refused by the engine \(\d+\.\d%", out), out
     assert "exceeds the model's maximum context length" in out
     assert not r.out["g.parquet"].exists() and r.journaled() == 0
     assert r.requests() < 30  # stopped early
@@ -380,6 +380,39 @@ def test_prompt_the_engine_never_answers_is_an_engine_error_row_retried_next_run
     assert r.requests() == 19 + 3 and r.journaled() == 19  # the error is not journaled
     r.run()  # a later run of the shard tries that prompt again, and only it
     assert r.requests() == 19 + 3 + 3
+
+
+def test_prompt_that_resets_the_connection_is_an_engine_error_row_retried_next_run(tmp_path):
+    # Issue 19: the server resets the connection for one prompt and answers every other (and
+    # its health check): the shard completes with one engine_error row, which is not journaled;
+    # the rerun asks only for it. It used to fail "engine unreachable" on every run.
+    r = Run(tmp_path, "--reset-first-token", "105", n=20)
+    r.run()
+    g, rej = _complete(r, 20)
+    (row,) = rej.to_pylist()
+    assert row["prompt_id"] == "p005" and row["reason"] == "engine_error"
+    assert "the server stays healthy" in row["detail"]
+    assert r.meta()["counts"]["engine_errors"] == 1
+    assert r.requests() == 19 + 3 and r.journaled() == 19
+    r.run()
+    assert r.requests() == 19 + 3 + 3
+
+
+def test_external_server_killed_for_good_fails_the_job_clearly(tmp_path):
+    # The server dies mid-shard and stays dead: connections reset, then refused, the health
+    # check fails: the job fails naming the unreachable engine, with no engine_error rows.
+    port = free_port()
+    counter = tmp_path / "ext.jsonl"
+    proc = fake_sglang.start(port, "--counter-file", str(counter), "--die-after", "8")
+    try:
+        r = Run(tmp_path, n=20, mode="external", urls=[f"http://127.0.0.1:{port}"])
+        out = r.run(expect_rc=1)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert "engine unreachable" in out, out
+    assert not r.out["g.parquet"].exists() and not r.out["r.parquet"].exists()
+    assert r.journaled() == 8  # partial work kept
 
 
 @both_versions

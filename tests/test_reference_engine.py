@@ -215,7 +215,8 @@ def test_generate_shape_and_stop_token_kept_last(server):
     assert out["output_ids"][-1] == EOS and EOS not in out["output_ids"][:-1]
     assert meta["completion_tokens"] == len(out["output_ids"])
     assert meta["prompt_tokens"] == len(prompt)
-    assert meta["cached_tokens"] == 0 and meta["weight_version"] == "default"
+    # no prefix cache: null (stats say "unknown"), never a 0 hit rate
+    assert meta["cached_tokens"] is None and meta["weight_version"] == "default"
     assert meta["e2e_latency"] >= 0
 
 

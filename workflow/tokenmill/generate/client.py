@@ -19,7 +19,11 @@ What each answer becomes (status of the record handed to on_record; reason in RE
     other 400                    retried (a duplicate request id, a value some version
                                  refuses); exhausted: the job fails with the server's message
     5xx, 408, 429, a timeout     retried; exhausted: "error" (engine_error) with the last error
-    connection refused/reset     retried; exhausted: the job fails (a dead or unreachable
+    connection reset/closed      retried; exhausted: "error" (engine_error) when the server's
+                                 health check still passes (a prompt that breaks the
+                                 connection, as one that crashes a scheduler worker does),
+                                 else the job fails (engine unreachable)
+    connection refused           retried; exhausted: the job fails (a dead or unreachable
                                  engine is not a property of the prompt)
     401, 403, 404, ...           the job fails at once (configuration)
 
@@ -31,11 +35,11 @@ keep a systemic failure from hiding behind per-prompt handling:
   prompt) with the same message, from as many different prompts as can be in flight (up to
   `fail_fast_after`, at least two), the run stops (FailFast): the server
   refuses the request's shape, and retrying every prompt would only waste hours;
-- rejection share: when rejected + errored prompts pass `reject_max_fraction` of the prompts
-  started (journaled successes of the shard count too) once there are `reject_min_count` of
-  them, or when a shard ends with nothing generated and two or more refused, the run stops
-  (TooManyRejections). The caller does not journal those rejections, so a corrected config or
-  server retries them.
+- rejection share (RejectionGuard): when rejected + errored prompts, `reject_min_count` or
+  more, pass `reject_max_fraction` of the shard's prompts at its end, or early when that is
+  already certain or statistically clear, or when a shard ends with nothing generated and two
+  or more refused, the run stops (TooManyRejections). The caller does not journal those
+  rejections, so a corrected config or server retries them.
 
 When the managed engine dies (`alive()` turns false) the run stops with EngineDied without
 spending attempts, so the caller can restart the engine.
@@ -93,13 +97,18 @@ class TooManyRejections(GenerationFailed):
 
 
 class _Retryable(Exception):
-    def __init__(self, msg: str, kind: str = "server", signature: tuple | None = None):
+    def __init__(
+        self, msg: str, kind: str = "server", signature: tuple | None = None, url: str = ""
+    ):
         super().__init__(msg)
         # kind: "server" (the server answered, or timed out: exhausted -> engine_error row),
-        # "connection" (exhausted -> the job fails), "request" (a 400 not blaming the prompt:
-        # exhausted -> the job fails). signature: (status, message) when deterministic.
+        # "reset" (connected, then the connection broke: exhausted -> engine_error row if the
+        # server is healthy, else the job fails), "connection" (no connection: exhausted -> the
+        # job fails), "request" (a 400 not blaming the prompt: exhausted -> the job fails).
+        # signature: (status, message) when deterministic.
         self.kind = kind
         self.signature = signature
+        self.url = url
 
 
 class _Fatal(Exception):
@@ -188,14 +197,44 @@ class ClientOptions:
         return dataclasses.replace(cls.from_config(gen, stop_token_ids, None), **overrides)
 
 
+# One-sided z of the early rejection check: a shard stops before its end only when even the
+# Wilson lower bound of its refusal rate at this z (p ~ 3e-7) is over the limit.
+GUARD_Z = 5.0
+
+
+def wilson_lower(k: int, n: int, z: float = GUARD_Z) -> float:
+    """Lower Wilson score bound of a binomial rate with k successes in n trials."""
+    if n <= 0:
+        return 0.0
+    p, z2 = k / n, z * z
+    centre = p + z2 / (2 * n)
+    spread = z * ((p * (1 - p) + z2 / (4 * n)) / n) ** 0.5
+    return max(0.0, (centre - spread) / (1 + z2 / n))
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 class RejectionGuard:
     """Counts the prompts of a shard (across engine restarts) and stops a run whose refusals
-    are systemic. `ok_before`: successes of the shard already in the journal."""
+    are systemic. `ok_before`: successes of the shard already in the journal; `total`: the
+    shard's prompts (journaled successes included), when known up front.
 
-    def __init__(self, max_fraction: float, min_count: int, ok_before: int = 0):
+    The share is judged so that early bad luck cannot trip it: at the end of the shard (the
+    true share), or early only when the excess is certain (the refusals so far already pass
+    max_fraction of `total`) or statistically clear (even the lower confidence bound of the
+    refusal rate, GUARD_Z, over the prompts started so far passes max_fraction; prompts in
+    flight count as not refused, so answers that come back sooner than others cannot inflate
+    it). Either way at least `min_count` prompts must be refused."""
+
+    def __init__(
+        self, max_fraction: float, min_count: int, ok_before: int = 0, total: int | None = None
+    ):
         self.max_fraction = max_fraction
         self.min_count = min_count
         self.ok_before = ok_before
+        self.total = total
         self.started = 0  # prompts taken from the queue in this job (in flight included)
         self.ok = 0
         self.refused = 0  # rejected + errored
@@ -215,29 +254,59 @@ class RejectionGuard:
             self.first.append(f"{rec['prompt_id']}: {REASONS[rec['status']]}: {rec['message']}")
         self.check(final=False)
 
+    def _why(self, final: bool) -> str | None:
+        """Why the share is over the limit (None: it is not, or not clearly yet)."""
+        lim = self.max_fraction
+        if final:
+            n = self.ok + self.refused + self.ok_before  # every prompt of the shard answered
+            share = self.refused / max(n, 1)
+            if self.refused >= self.min_count and share > lim:
+                return (
+                    f"{self.refused} of {plural(n, 'prompt')} refused by the engine ({share:.1%} "
+                    f"> generation.reject_limit.max_fraction {lim:.1%})"
+                )
+            if self.refused >= 2 and self.ok + self.ok_before == 0:
+                return (
+                    f"{self.refused} of {plural(n, 'prompt')} refused by the engine "
+                    f"({share:.1%}: nothing in the shard was generated)"
+                )
+            return None
+        if self.refused < self.min_count:
+            return None
+        if self.total and self.refused > lim * self.total:
+            return (
+                f"{self.refused} of {plural(self.total, 'prompt')} refused by the engine "
+                f"({self.refused / self.total:.1%} of the shard already, whatever the rest "
+                f"gets: > generation.reject_limit.max_fraction {lim:.1%})"
+            )
+        n = self.started + self.ok_before
+        low = wilson_lower(self.refused, n)
+        if low > lim:
+            return (
+                f"{self.refused} of {plural(n, 'prompt')} refused by the engine "
+                f"({self.refused / n:.1%} of those started so far; even its lower confidence "
+                f"bound {low:.1%} > generation.reject_limit.max_fraction {lim:.1%})"
+            )
+        return None
+
     def check(self, final: bool) -> None:
         if self.max_fraction >= 1.0 or not self.refused:
             return
-        # In flight counts as not refused: 400s come back at once, successes take minutes, so
-        # a share of the answered prompts alone would be inflated early in a run.
-        base = self.started + self.ok_before
-        share = self.refused / max(base, 1)
-        systemic = self.refused >= self.min_count and share > self.max_fraction
-        nothing = final and self.refused >= 2 and self.ok + self.ok_before == 0
-        if systemic or nothing:
-            why = (
-                f"{share:.0%} > generation.reject_limit.max_fraction {self.max_fraction:.0%}"
-                if systemic
-                else "nothing in the shard was generated"
-            )
-            self.tripped = TooManyRejections(
-                f"{self.refused} of {base} prompts refused by the engine ({why}; "
-                f"{self.ok} generated in this job, {self.ok_before} from the journal): this "
-                "looks like a config or server problem, not bad prompts. The refusals are not "
-                "journaled: a corrected config or server retries them. First messages:\n  "
-                + "\n  ".join(self.first)
-            )
-            raise self.tripped
+        why = self._why(final)
+        if why is None:
+            return
+        self.tripped = TooManyRejections(
+            f"{why}; {self.ok} generated in this job, {self.ok_before} from the journal: this "
+            "looks like a config or server problem, not bad prompts. The refusals are not "
+            "journaled: a corrected config or server retries them. First messages:\n  "
+            + "\n  ".join(self.first)
+        )
+        raise self.tripped
+
+    def share_line(self) -> str:
+        """The shard's refusal share so far, for the job's summary."""
+        n = self.ok + self.refused + self.ok_before
+        return f"{self.refused} of {plural(n, 'prompt')} refused ({self.refused / max(n, 1):.1%})"
 
 
 class Client:
@@ -302,7 +371,10 @@ class Client:
             raise _Retryable(f"{url}: timeout after {self.opts.request_timeout_s}s {exc}") from None
         except (aiohttp.ClientError, OSError) as exc:
             msg = f"{url}: {type(exc).__name__}: {exc}"
-            raise _Retryable(msg, kind="connection") from None
+            # Refused (nothing listens): the engine is down. Anything else (reset, closed
+            # mid-answer): the server took the connection; maybe only this prompt breaks it.
+            kind = "connection" if isinstance(exc, aiohttp.ClientConnectorError) else "reset"
+            raise _Retryable(msg, kind=kind, url=url) from None
         finally:
             self._in_flight[url] -= 1
             self.stats.in_flight -= 1
@@ -353,12 +425,13 @@ class Client:
         if k <= 0 or self._ff_attempts < k or len(self._ff_prompts) < need:
             return
         status, msg = self._ff_signature
+        sent = self.stats.requested
         raise FailFast(
-            f"the first {self._ff_attempts} requests of this job (prompts "
-            f"{', '.join(self._ff_prompts[:5])}) all failed with the same answer, HTTP "
-            f"{status}: {msg!r}. An error on every request means the server refuses the "
-            "request's shape (for example a sampling key its version does not accept), not a "
-            "busy server: stopping instead of retrying every prompt"
+            f"none of the first {plural(sent, 'request')} of this job succeeded; the "
+            f"{self._ff_attempts} answered (prompts {', '.join(self._ff_prompts[:5])}) all "
+            f"failed with the same answer, HTTP {status}: {msg!r}. An error on every request "
+            "means the server refuses the request's shape (for example a sampling key its "
+            "version does not accept), not a busy server: stopping instead of retrying every prompt"
         )
 
     async def _process(self, session, item: Item) -> None:
@@ -376,7 +449,13 @@ class Client:
                     if exc.kind == "server":  # the engine answers, just never this prompt
                         kind, res = ERROR, {"message": last}
                         break
-                    what = "engine unreachable" if exc.kind == "connection" else "refused"
+                    if exc.kind == "reset" and await self._healthy(session, exc.url):
+                        # The server stays up and answers its health check: this prompt
+                        # breaks the connection (a scheduler worker it crashes, say).
+                        last += f" (the server stays healthy: {self.api.health_path} answers)"
+                        kind, res = ERROR, {"message": last}
+                        break
+                    what = "refused" if exc.kind == "request" else "engine unreachable"
                     raise GenerationFailed(
                         f"prompt {item.prompt_id} (sample {item.key}) failed after "
                         f"{self.opts.max_attempts} attempts ({what}); last error: {last}"
@@ -415,6 +494,20 @@ class Client:
                         attempt, last)  # fmt: skip
         self.guard.add(rec)
 
+    async def _healthy(self, session, url: str) -> bool:
+        """Does the server at `url` answer its health check with 200 now?"""
+        if self.alive is not None and not self.alive():
+            return False
+        timeout = aiohttp.ClientTimeout(total=min(30.0, self.opts.request_timeout_s))
+        try:
+            async with session.get(
+                url + self.api.health_path, headers=self._headers, timeout=timeout
+            ) as r:
+                await r.read()
+                return r.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
+
     async def _worker(self, session, queue: asyncio.Queue) -> None:
         while True:
             try:
@@ -447,6 +540,8 @@ class Client:
     async def run(self, items: list[Item]) -> Stats:
         """Generate every item; raises GenerationFailed or EngineDied (journaled work stays)."""
         self.stats.total = max(self.stats.total, self.stats.done + len(items))
+        if self.guard.total is None and self.follow is None and not self.guard.started:
+            self.guard.total = self.guard.ok_before + len(items)  # a plain run: the shard
         queue: asyncio.Queue = asyncio.Queue()
         self._queue = queue
         for it in items:
@@ -482,4 +577,10 @@ class Client:
                 await asyncio.gather(*workers, *helpers, return_exceptions=True)
         log.info(self.stats.line())
         self.guard.check(final=True)
+        if self.guard.refused:
+            log.info(
+                "%s; generation.reject_limit.max_fraction %.1f%%",
+                self.guard.share_line(),
+                100 * self.guard.max_fraction,
+            )
         return self.stats

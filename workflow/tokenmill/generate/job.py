@@ -53,6 +53,7 @@ from tokenmill.generate.client import (
     Item,
     RejectionGuard,
     Stats,
+    plural,
 )
 from tokenmill.generate.launch import ExternalEngines, ManagedEngine
 from tokenmill.model import model_vocab_size
@@ -201,9 +202,10 @@ def check_vocab(shard: Shard, gen: GenerationSettings, basedir: str, meta: dict)
             rows += (local + int(shard.starts[g])).tolist()
     if rows:
         ids = [shard.prompt_id[r] for r in rows[:5]]
+        hold = "holds" if len(rows) == 1 else "hold"
         raise ValueError(
-            f"{len(rows)} prompts hold token ids outside the model's vocabulary [0, {vocab}) "
-            f"({source}), e.g. id {first_bad} in prompt {ids[0]} (prompts "
+            f"{plural(len(rows), 'prompt')} {hold} token ids outside the model's vocabulary "
+            f"[0, {vocab}) ({source}), e.g. id {first_bad} in prompt {ids[0]} (prompts "
             f"{', '.join(ids)}): the tokenizer does not belong to generation.model "
             f"{gen.model!r}. Nothing was sent (such an id kills SGLang's scheduler)"
         )

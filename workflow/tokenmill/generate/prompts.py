@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 
 from tokenmill import contracts
 from tokenmill.generate import journal
-from tokenmill.generate.client import REASONS, REJECTED, Item
+from tokenmill.generate.client import REASONS, REJECTED, Item, plural
 from tokenmill.generate.job import (
     FETCH_ROWS,
     Job,
@@ -65,9 +65,10 @@ async def run(
         job.clock["replayed"] = time.monotonic()
         jstats = index.stats()
         log.info(
-            "shard %s/%s: %d prompts, %d unique samples, %d journaled (%d files of this shard, "
+            "shard %s/%s: %s, %s, %d journaled (%d files of this shard, "
             "%d torn lines, %d from the stale file), replay %.2f s",
-            args.category, args.shard, len(shard), len(want), len(index.entries),
+            args.category, args.shard, plural(len(shard), "prompt"),
+            plural(len(want), "unique sample"), len(index.entries),
             jstats["files"], jstats["torn"], from_stale, job.clock["replayed"] - job.clock["run"],
         )  # fmt: skip
         job.counts.update(

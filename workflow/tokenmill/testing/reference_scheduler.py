@@ -22,7 +22,8 @@ tokens, HF style), frequency_penalty and presence_penalty (output tokens), logit
 sampling_seed (42 when unset, as SGLang); otherwise all requests draw from one generator seeded
 with --random-seed. Not supported (400 saying so): n > 1, beam search, grammars (json_schema,
 regex, ebnf, structural_tag), return_logprob, custom logit processors. Streaming (`stream: true`)
-is supported, cumulative (SGLang's default). cached_tokens is always 0 (no prefix cache).
+is supported, cumulative (SGLang's default). cached_tokens is always null: there is no prefix
+cache, so its hit rate is unknown (0 would claim a cache that never hit).
 """
 
 from __future__ import annotations
@@ -437,7 +438,7 @@ class Engine:
             "num_retractions": 0,
             "reasoning_tokens": 0,
             "completion_tokens": len(r.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": None,  # no prefix cache: its hit rate is unknown, not 0
             "cached_tokens_details": None,
         }
         if r.finish_reason is not None:

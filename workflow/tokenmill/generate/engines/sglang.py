@@ -184,6 +184,10 @@ def parse_generate(obj) -> dict:
 
 class SGLangAPI(EngineAPI):
     name = "sglang"
+    # SGLang's HTTP server (uvicorn, timeout_keep_alive 5 s, not a launch flag) closes a
+    # keep-alive connection idle for 5 s: drop ours after 4 s, so a request sent after a pause
+    # (a conversation's tokenizer render, a blocked event loop) never goes out on a closed one.
+    client_keepalive_s = 4.0
 
     skip_tokenizer_init = staticmethod(skip_tokenizer_init)
     validate_sampling = staticmethod(validate_sampling)
