@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_merge.py [--samples 100000] [--shards 4] [--repeat 3]
         [--vocab 32000]
+    .venv/bin/python benchmarks/bench_merge.py --memory 200,2000 --samples 12000
 
 Builds synthetic tokenized and generated shards (token lengths scaled down to fit a small
 machine), then runs, each in its own subprocess so peak RSS is per side, --repeat times in turn:
@@ -14,6 +15,8 @@ machine), then runs, each in its own subprocess so peak RSS is per side, --repea
   merge+jsonl : merge with the JSONL export;
   merge-counts : merge without the token counts (what counting costs).
 With --counting-cost, only merge with and without the counts, alternating in one process.
+With --memory N,N,..., only merge's peak RSS for one shard of --samples rows whose outputs have
+N tokens on average, generated rows in prompt_id order and shuffled.
 Prints the median wall time of each side, throughput (samples/s, tokens/s), the merge/floor
 ratio (target <= 2x), each side's CPU seconds (all threads of the process; merge's writer
 thread overlaps its next batch, so its CPU time exceeds its wall time on an idle machine), and
@@ -54,7 +57,18 @@ def _lists(rng, n, lo, hi, tail=None, vocab=VOCAB):
     return off, vals
 
 
-def build(directory: Path, samples: int, shards: int, vocab: int = VOCAB) -> int:
+def build(
+    directory: Path,
+    samples: int,
+    shards: int,
+    vocab: int = VOCAB,
+    output_tokens: int | None = None,
+    shuffle: bool = True,
+) -> int:
+    """Shards of synthetic inputs; outputs of 16-111 tokens, or of output_tokens/2 to
+    3*output_tokens/2 (mean output_tokens) when given. `shuffle`: generated rows in a random
+    order (the default, the harder case for the join), else in prompt_id order (as generate
+    writes them)."""
     rng = np.random.default_rng(0)
     fp = keys.generation_fingerprint(GEN_CFG)
     tokens = 0
@@ -62,7 +76,9 @@ def build(directory: Path, samples: int, shards: int, vocab: int = VOCAB) -> int
     for s in range(shards):
         pids = np.array([f"{s:03d}-{i:07d}" for i in range(per)], dtype=object)
         p_off, p_val = _lists(rng, per, 16, 112, vocab=vocab)
-        o_off, o_val = _lists(rng, per, 16, 112, tail=2, vocab=vocab)
+        n = output_tokens
+        o_lo, o_hi = (n // 2, n * 3 // 2) if n else (16, 112)
+        o_off, o_val = _lists(rng, per, o_lo, o_hi, tail=2, vocab=vocab)
         tokens += len(p_val) + len(o_val)
         sample_keys = [keys.sample_key(fp, p_val[p_off[i] : p_off[i + 1]]) for i in range(per)]
         prompt_ids = pa.ListArray.from_arrays(pa.array(p_off.astype(np.int32)), pa.array(p_val))
@@ -76,7 +92,7 @@ def build(directory: Path, samples: int, shards: int, vocab: int = VOCAB) -> int
         )
         contracts.write_table(tok, directory / f"tok{s:03d}.parquet", contracts.TOKENIZED, "t")
         # generated rows arrive in completion order, not prompt_id order
-        order = rng.permutation(per)
+        order = rng.permutation(per) if shuffle else np.arange(per)
         finish = np.where(rng.random(per) < 0.02, "length", "stop").astype(object)
         gen = pa.table(
             {
@@ -140,8 +156,21 @@ def run_side(side: str, directory: Path, shards: int, vocab: int = VOCAB) -> dic
             if side == "merge+jsonl":
                 export.export_jsonl(out / f"{s:03d}.parquet", out / f"{s:03d}.jsonl")
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    return {"side": side, "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": rss_mb}
+    return {"side": side, "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": peak_rss_mib()}
+
+
+def peak_rss_mib() -> float:
+    """This process's peak RSS: VmHWM, the high-water mark of its own address space. Not
+    ru_maxrss: Linux carries that over from the parent through fork and exec, so a side
+    started by a parent that holds the built shards reported the parent's size (the merge
+    figures of issue 19 item 6, 574 and 974 MiB, were partly this bench's own memory)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def counting_cost(directory: Path, shards: int, vocab: int, repeat: int) -> None:
@@ -177,6 +206,25 @@ def counting_cost(directory: Path, shards: int, vocab: int, repeat: int) -> None
     print(f"counting adds {extra:+.1%} CPU (minimum of {repeat} paired runs)")
 
 
+def memory(samples: int, output_tokens: list[int], vocab: int) -> None:
+    """Peak RSS of merge (one shard, its own subprocess) at each output length, generated rows
+    in prompt_id order (as generate writes them) and shuffled; the ratio to the first length."""
+    print(f"merge peak RSS, one shard of {samples:,} rows, outputs of N/2 to 3N/2 tokens")
+    print(f"{'order':<9} {'N':>6} {'tokens':>12} {'peak RSS MiB':>13} {'x first N':>10}")
+    for shuffle in (False, True):
+        first = None
+        for n in output_tokens:
+            with tempfile.TemporaryDirectory(prefix="bench_merge.") as tmp:
+                tokens = build(Path(tmp), samples, 1, vocab, output_tokens=n, shuffle=shuffle)
+                cmd = [sys.executable, __file__, "--side", "merge", "--dir", tmp, "--shards", "1"]
+                cmd += ["--vocab", str(vocab)]
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
+            rss = json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+            first = first or rss
+            order = "shuffled" if shuffle else "sorted"
+            print(f"{order:<9} {n:>6} {tokens:>12,} {rss:>13.0f} {rss / first:>9.2f}x", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=100_000)
@@ -188,11 +236,19 @@ def main() -> int:
         action="store_true",
         help="only: merge with and without the token counts, --repeat paired runs in one process",
     )
+    parser.add_argument(
+        "--memory",
+        metavar="N,N,...",
+        help="only: merge peak RSS for one shard of --samples rows at each output length N",
+    )
     parser.add_argument("--side")
     parser.add_argument("--dir")
     args = parser.parse_args()
     if args.side:  # child process
         print(json.dumps(run_side(args.side, Path(args.dir), args.shards, args.vocab)))
+        return 0
+    if args.memory:
+        memory(args.samples, [int(n) for n in args.memory.split(",")], args.vocab)
         return 0
     with tempfile.TemporaryDirectory(prefix="bench_merge.") as tmp:
         d = Path(tmp)

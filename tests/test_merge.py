@@ -450,3 +450,64 @@ def test_stage_commands_name_the_key_of_a_bad_config(tmp_path, capsys):
     argv = ["--counts", str(tmp_path), "--out-dir", str(tmp_path), "--dataset-config", bad]
     assert draft_vocab.main(["from-config", *argv, *common]) == 1
     assert "dataset.max_sequence_tokens" in capsys.readouterr().err
+
+
+def _big_shard(tmp_path: Path, order: str):
+    """20,000 prompts (three row groups), outputs of 0-80 tokens: mostly kept, some truncated,
+    some with an out-of-vocabulary id or no stop token, thinking blocks, a few not generated, a
+    duplicate and an unknown prompt; generated rows in prompt_id order (as generate writes
+    them) or shuffled."""
+    rng = np.random.default_rng(19)
+    n = 20_000
+    pids = [f"q{i:06d}" for i in range(n)]
+    p_len, o_len = rng.integers(1, 40, n), rng.integers(0, 80, n)
+    prompts = {p: rng.integers(5, 20, k).tolist() for p, k in zip(pids, p_len, strict=True)}
+    gens = []
+    for i, p in enumerate(pids):
+        if i % 997 == 0:
+            continue  # not generated
+        out = rng.integers(3, 20, o_len[i]).tolist() + [2]
+        finish = "length" if i % 101 == 0 else "stop"
+        if i % 211 == 0:
+            out[-1] = 7  # no stop token
+        if i % 307 == 0:
+            out[0] = len(VOCAB) + 5  # out of the vocabulary
+        gens.append(gen_row(p, prompts[p], out, finish))
+    gens.append(gen_row(pids[5], prompts[pids[5]], [6, 2]))  # a duplicate
+    gens.append(gen_row("zz-unknown", [5, 6], [6, 2]))
+    if order == "shuffled":
+        rng.shuffle(gens)
+    res, out, rej = run_merge(
+        tmp_path, prompts, gens, jsonl=True, counts=True, max_sequence_tokens=100
+    )
+    files = [out, rej, tmp_path / "token_counts/000.parquet", tmp_path / "export/000.jsonl"]
+    return res, {f.parent.name: contracts.sha256_file(f) for f in files}
+
+
+# sha256 of the files the merge of e3f0490 (input row groups read whole, one write in
+# flight) wrote for _big_shard, in either order: the output must not change by a byte. They
+# depend on the pyarrow version that writes them: recompute them with e3f0490's merge.py.
+_BIG_SHARD_SHA = {
+    "out": "602125267419ff291b459bab214b87538df4c00024dc12eda848502dcf9264e8",
+    "rej": "037f4e478f96ce03f3cac2dadd64912a5a02593bb5919c32a39e4ffca775b318",
+    "token_counts": "a12220d7cd592ef47b998e419ac38e263cfcc0eca71727cbce3d017eb5864e68",
+    "export": "77ba05fcb40d8cd84ccc7561d8c2cfa21dd4cd7d1f9cf50f1a6775272e181bb0",
+}
+_BIG_SHARD_PYARROW = "26.0.1"
+
+
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+@pytest.mark.parametrize("small_reads", [False, True])
+def test_streamed_merge_writes_the_bytes_of_the_whole_batch_merge(
+    tmp_path, monkeypatch, order, small_reads
+):
+    if pa.__version__ != _BIG_SHARD_PYARROW:
+        pytest.skip(f"recorded with pyarrow {_BIG_SHARD_PYARROW}, not {pa.__version__}")
+    if small_reads:  # decode 100 rows at a time; never overlap a write with the next batch
+        monkeypatch.setattr(merge, "READ_ROWS", 100)
+        monkeypatch.setattr(merge, "OVERLAP_BYTES", 0)
+        monkeypatch.setattr(merge, "COUNT_VALUES", 1000)
+    res, sha = _big_shard(tmp_path, order)
+    assert res.tokenized == 20_000 and res.not_generated == 21 and res.kept == 18_409
+    assert pq.ParquetFile(tmp_path / "out/000.parquet").num_row_groups == 3
+    assert sha == _BIG_SHARD_SHA

@@ -34,7 +34,10 @@ and generation fingerprints carried over from the input shards.
 Everything is vectorized over flattened token arrays and streamed in one pass, in batches of
 contracts.ROW_GROUP_SIZE rows: input row groups are read when a batch first needs them and
 dropped after the last batch that needs them, so memory stays at a few row groups when the
-inputs are sorted by prompt_id (as every stage writes them), whatever the shard size.
+inputs are sorted by prompt_id (as every stage writes them), whatever the shard size. A row
+group is ROW_GROUP_SIZE rows whatever their length, so memory does follow output length: one
+output row group of 2,000-token outputs is ~80 MiB and pyarrow's writer needs about twice that
+to write it (`benchmarks/bench_merge.py --memory 200,2000 --samples 12000`: 296 and 589 MiB).
 """
 
 from __future__ import annotations
@@ -57,6 +60,12 @@ from tokenmill.dataset import draft_vocab, validate
 from tokenmill.dataset.validate import REASONS, Rules
 
 BATCH_ROWS = contracts.ROW_GROUP_SIZE
+READ_ROWS = 1024  # rows an input list column is decoded at a time (_RowGroupColumn._read)
+# A batch's write overlaps the next batch's work (reading, validating, building) only while
+# the batch is smaller than this: two batches of long outputs in memory at once would make
+# memory follow output length.
+OVERLAP_BYTES = 32 << 20
+COUNT_VALUES = 1 << 20  # output ids per np.bincount of the token counts
 
 
 ConservationError = contracts.ConservationError  # the counts of a shard do not add up
@@ -91,6 +100,21 @@ class _RowGroupColumn:
             for g in np.unique(self.group_of(rows)):
                 self.last_use[int(g)] = b
 
+    def _read(self, g: int) -> pa.Array:
+        """Row group `g` of the column as one array, decoded READ_ROWS rows at a time: read
+        whole, the list reader's decoding buffers (levels, values grown by doubling) took
+        about four times the column's size, the largest part of merge's peak with long
+        outputs."""
+        parts = [
+            b.column(0)
+            for b in self.pf.iter_batches(
+                batch_size=READ_ROWS, row_groups=[g], columns=[self.column], use_threads=False
+            )
+        ]
+        if not parts:
+            return self.pf.read_row_group(g, columns=[self.column]).column(0).combine_chunks()
+        return pa.concat_arrays(parts) if len(parts) > 1 else parts[0]
+
     def group_of(self, rows: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.starts, rows, side="right") - 1
 
@@ -100,8 +124,7 @@ class _RowGroupColumn:
         for g in np.unique(groups):
             g = int(g)
             if g not in self.cache:
-                col = self.pf.read_row_group(g, columns=[self.column]).column(0)
-                self.cache[g] = col.combine_chunks()
+                self.cache[g] = self._read(g)
             sel = np.flatnonzero(groups == g)
             local = rows[sel] - self.starts[g]
             # Both inputs are sorted by prompt_id, so rows are usually a contiguous run:
@@ -186,19 +209,25 @@ def _check_tokenized(what, tokenized, kept, merge_rejected, generate_rejected, g
 
 
 def concat_lists(p_off, p_val, o_off, o_val):
-    """input_ids and loss_mask as flattened arrays: prompt then output of every row."""
+    """input_ids and loss_mask as flattened arrays: prompt then output of every row.
+
+    The loss mask is the rows' prompt and output lengths alternately expanded to 0s and 1s
+    (one np.repeat); the ids are filled through it as a boolean mask (prompt values in row
+    order where it is 0, output values where it is 1): no per-value index arrays, which at
+    8 bytes a value were the largest buffers of a batch of long outputs."""
     p_len, o_len = np.diff(p_off), np.diff(o_off)
-    total = p_len + o_len
-    off = np.zeros(len(total) + 1, dtype=np.int64)
-    np.cumsum(total, out=off[1:])
+    n = len(p_len)
+    off = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(p_len + o_len, out=off[1:])
+    seg = np.empty(2 * n, dtype=np.int64)
+    seg[0::2], seg[1::2] = p_len, o_len
+    mask = np.repeat(np.tile(np.array([0, 1], dtype=np.int8), n), seg)
     ids = np.empty(int(off[-1]), dtype=np.int32)
-    mask = np.zeros(int(off[-1]), dtype=np.int8)
-    # destination of each value = start of its row in the output + its position in its row
-    dest_p = np.arange(len(p_val)) + np.repeat(off[:-1] - p_off[:-1], p_len)
-    dest_o = np.arange(len(o_val)) + np.repeat(off[:-1] + p_len - o_off[:-1], o_len)
-    ids[dest_p] = p_val
-    ids[dest_o] = o_val
-    mask[dest_o] = 1
+    is_out = mask.view(bool)
+    ids[is_out] = o_val
+    np.logical_not(is_out, out=is_out)
+    ids[is_out] = p_val
+    np.logical_not(is_out, out=is_out)  # back to the loss mask (is_out is a view of it)
     return off, ids, mask
 
 
@@ -356,16 +385,25 @@ def merge_shard(
             res.kept += int(ok.sum())
             if not ok.any():
                 continue
-            if not ok.all():
+            if not ok.all():  # the unfiltered arrays are released here
                 keep = pa.array(ok)
-                p_val, p_off = contracts.list_arrays(p_arr.filter(keep))
-                o_val, o_off = contracts.list_arrays(o_arr.filter(keep))
+                p_arr, o_arr = p_arr.filter(keep), o_arr.filter(keep)
+                p_val, p_off = contracts.list_arrays(p_arr)
+                o_val, o_off = contracts.list_arrays(o_arr)
             if counts_out:
-                token_counts += np.bincount(o_val, minlength=rules.vocab_size)
+                # bincount casts to int64: counted a slice at a time, not a batch's worth
+                for lo in range(0, len(o_val), COUNT_VALUES):
+                    token_counts += np.bincount(
+                        o_val[lo : lo + COUNT_VALUES], minlength=rules.vocab_size
+                    )
             table = _dataset_batch(p_off, p_val, o_off, o_val, gi[ok], gen_scalars, category, rules)
+            del p_arr, o_arr, p_val, o_val  # the batch's inputs, before its write
             if pending is not None:
                 pending.result()
             pending = write_pool.submit(writer.write, table)
+            if table.nbytes > OVERLAP_BYTES:
+                pending.result()
+            del table
         if pending is not None:
             pending.result()
         del prompts_col, outputs_col
