@@ -44,7 +44,7 @@ def test_all_400_config_fails_loudly_and_caches_nothing(tmp_path):
     assert "prompts refused by the engine" in log and "max_fraction" in log, log[-3000:]
     assert "exceeds the model's maximum context length" in log
     assert not (workdir / "results/generated/chat/000.parquet").exists()
-    journal = workdir / "results/journal/chat"
+    journal = workdir / "journal/chat"  # journal_dir: journal (it read an empty folder)
     statuses = [
         json.loads(line.rsplit("\t", 1)[0])["status"]
         for f in journal.glob("*.jsonl")
@@ -130,41 +130,50 @@ def test_restarted_controller_waits_for_its_orphaned_job_and_completes(tmp_path)
     cmd += ["--configfile", "run.yaml"]
     with open(tmp_path / "controller-a.log", "w") as log_a:  # the child keeps its own copy
         first = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log_a, stderr=subprocess.STDOUT)
-    lock = workdir / "results/journal/chat/000.lock"
-    deadline = time.monotonic() + 600
-    while fake_sglang.count_requests(counter) < 5 and time.monotonic() < deadline:
-        assert first.poll() is None, (tmp_path / "controller-a.log").read_text()[-3000:]
-        time.sleep(0.5)
-    assert lock.exists()
-    holder = json.loads(lock.read_text())["pid"]
-    first.kill()  # SIGKILL: the controller only; its generate job runs on
-    first.wait(timeout=30)
-    assert os.path.exists(f"/proc/{holder}")
+    second = holder = None
+    try:
+        lock = workdir / "journal/chat/000.lock"  # journal_dir: journal
+        deadline = time.monotonic() + 600
+        while fake_sglang.count_requests(counter) < 5 and time.monotonic() < deadline:
+            assert first.poll() is None, (tmp_path / "controller-a.log").read_text()[-3000:]
+            time.sleep(0.5)
+        assert lock.exists()
+        holder = json.loads(lock.read_text())["pid"]
+        first.kill()  # SIGKILL: the controller only; its generate job runs on
+        first.wait(timeout=30)
+        assert os.path.exists(f"/proc/{holder}")
 
-    unlock = snakemake(workdir, "--configfile", "run.yaml", "--unlock")
-    assert unlock.returncode == 0, unlock.stderr[-2000:]
-    env.update(TOKENMILL_LOCK_WAIT_S="300", TOKENMILL_LOCK_POLL_S="0.5")
-    second = subprocess.Popen(
-        cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    history = workdir / "results/logs/generate/chat/000/generate.log"
-    deadline = time.monotonic() + 300
-    while "Waiting up to 300 s" not in history.read_text() and time.monotonic() < deadline:
-        assert second.poll() is None
-        time.sleep(0.5)
-    hold.unlink()  # the orphan goes on and finishes its shard
-    out, _ = second.communicate(timeout=600)
-    assert second.returncode == 0, out[-4000:]
-    text = history.read_text()
-    assert text.count("=== tokenmill generate attempt:") == 2, text[-4000:]
-    holder_part = text.split("=== tokenmill generate attempt:")[1]
-    assert "INFO" in holder_part  # the holder's first lines, before the restart: still there
-    assert "Waiting up to 300 s" in text and "generate failed" not in text, text[-4000:]
-    engine_log = (workdir / "results/logs/generate/chat/000/engine.log").read_text()
-    assert engine_log.count("engine start #") == 1  # the waiting job started none
-    ids = [
-        pid
-        for name in ("generated/chat/000.parquet", "rejected/generate/chat/000.parquet")
-        for pid in pq.read_table(workdir / "results" / name).column("prompt_id").to_pylist()
-    ]
-    assert len(ids) == len(set(ids)) and fake_sglang.count_requests(counter) == len(ids)
+        unlock = snakemake(workdir, "--configfile", "run.yaml", "--unlock")
+        assert unlock.returncode == 0, unlock.stderr[-2000:]
+        env.update(TOKENMILL_LOCK_WAIT_S="300", TOKENMILL_LOCK_POLL_S="0.5")
+        second = subprocess.Popen(
+            cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        history = workdir / "results/logs/generate/chat/000/generate.log"
+        deadline = time.monotonic() + 300
+        while "Waiting up to 300 s" not in history.read_text() and time.monotonic() < deadline:
+            assert second.poll() is None
+            time.sleep(0.5)
+        hold.unlink()  # the orphan goes on and finishes its shard
+        out, _ = second.communicate(timeout=600)
+        assert second.returncode == 0, out[-4000:]
+        text = history.read_text()
+        assert text.count("=== tokenmill generate attempt:") == 2, text[-4000:]
+        holder_part = text.split("=== tokenmill generate attempt:")[1]
+        assert "INFO" in holder_part  # the holder's first lines, before the restart: still there
+        assert "Waiting up to 300 s" in text and "generate failed" not in text, text[-4000:]
+        engine_log = (workdir / "results/logs/generate/chat/000/engine.log").read_text()
+        assert engine_log.count("engine start #") == 1  # the waiting job started none
+        ids = [
+            pid
+            for name in ("generated/chat/000.parquet", "rejected/generate/chat/000.parquet")
+            for pid in pq.read_table(workdir / "results" / name).column("prompt_id").to_pylist()
+        ]
+        assert len(ids) == len(set(ids)) and fake_sglang.count_requests(counter) == len(ids)
+    finally:  # never leave a controller, the orphan or its engine behind
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+        if holder is not None and os.path.exists(f"/proc/{holder}"):
+            os.kill(holder, 15)
