@@ -388,6 +388,10 @@ def test_squeue_status_command_sees_success_and_failure(pipeline, tmp_path):
     assert "status command is not 'sacct'" in out, tail(out)
     assert len(slurm_jobs_of(bad_dir, "generate_shard", "chat_000")) == 3  # retries: 2
     assert "engine exited with code 3 during startup" in _generate_log(bad_dir, "chat", "000")
+    # The profile's retries are the only count: one `tokenmill generate` per SLURM job, none
+    # retried inside an allocation (it was 6 + 3 + 1 = 10 with the rule's own `retries: 2`).
+    history = (bad_dir / "results/logs/generate/chat/000/generate.log").read_text()
+    assert history.count("=== tokenmill generate attempt:") == 3, history[-4000:]
     assert not (bad_dir / target).exists()
 
 

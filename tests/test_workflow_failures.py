@@ -5,16 +5,26 @@ a 400 that blames the prompt ("Requested token count exceeds the model's maximum
 length"). Before, each became a permanent engine_rejected row and the run was green with empty
 shards. Now the generate job fails with the counts and the first messages, journals none of
 those rejections, and the corrected config gives a green run with rows.
+
+With the stand-in SGLang server (tests/fake_sglang.py) as the managed engine, the local
+profile's `retries: 2` is the only retry count: an engine that fails at start runs generate
+3 times (3 engine starts), a config every request refuses is paid once (the retries exit at
+once), and generate.log keeps every attempt's lines under a header each.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import time
 
+import fake_sglang
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers import copy_workflow, snakemake
+from helpers import BIN, copy_workflow, snakemake
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -34,7 +44,7 @@ def test_all_400_config_fails_loudly_and_caches_nothing(tmp_path):
     assert "prompts refused by the engine" in log and "max_fraction" in log, log[-3000:]
     assert "exceeds the model's maximum context length" in log
     assert not (workdir / "results/generated/chat/000.parquet").exists()
-    journal = workdir / "results/journal/chat"
+    journal = workdir / "journal/chat"  # journal_dir: journal (it read an empty folder)
     statuses = [
         json.loads(line.rsplit("\t", 1)[0])["status"]
         for f in journal.glob("*.jsonl")
@@ -48,3 +58,122 @@ def test_all_400_config_fails_loudly_and_caches_nothing(tmp_path):
     assert good.returncode == 0, good.stdout[-3000:] + good.stderr[-5000:]
     rows = pq.read_table(workdir / "results/dataset/chat/000.parquet").num_rows
     assert rows > 0
+
+
+def test_profile_retries_are_the_only_count_and_a_fail_fast_is_paid_once(tmp_path):
+    workdir = copy_workflow(tmp_path)
+    profile = yaml.safe_load((workdir / "profiles/local/config.yaml").read_text())
+    assert profile["retries"] == 2
+    counter = tmp_path / "requests.jsonl"
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    config["categories"] = {"chat": {**config["categories"]["chat"], "shards": 1}}
+    fake = ["{python}", fake_sglang.FAKE, "--model-path", "{model}", "--host", "{host}"]
+    fake += ["--port", "{port}", "--counter-file", str(counter)]
+    gen = config["generation"]
+    gen["launch"]["command"] = [*fake, "--exit-at-start", "3"]
+    gen["launch"]["startup_timeout_s"] = 30
+    gen["retry"].update(backoff_initial_s=0.05, backoff_max_s=0.1)
+    (workdir / "starts.yaml").write_text(yaml.safe_dump(config))
+    logs = workdir / "results/logs/generate/chat/000"
+
+    # An engine that fails at start is transient for all the job knows: 1 + retries runs.
+    run = snakemake(workdir, "--configfile", "starts.yaml")
+    assert run.returncode != 0, run.stdout[-3000:]
+    history = (logs / "generate.log").read_text()
+    assert history.count("=== tokenmill generate attempt:") == 3, history[-4000:]
+    assert (logs / "engine.log").read_text().count("engine start #") == 3
+    assert counter.exists() is False
+    # the runtime asked for grows with the attempt (generation.resources.runtime_min x attempt)
+    runtimes = re.findall(r"runtime (\d+) min", history)
+    assert len(set(runtimes)) == 3 and runtimes == sorted(runtimes, key=int), runtimes
+
+    # Every request answered with the same 500: the first attempt fails fast, the scheduler's
+    # two retries exit at once, naming it; one attempt's worth of requests in all.
+    gen["launch"]["command"] = [*fake, "--fail-500", "1000000"]
+    (workdir / "refused.yaml").write_text(yaml.safe_dump(config))
+    run = snakemake(workdir, "--configfile", "refused.yaml")
+    assert run.returncode != 0, run.stdout[-3000:]
+    history = (logs / "generate.log").read_text()
+    assert history.count("=== tokenmill generate attempt:") == 6, history[-4000:]
+    first = re.findall(r"generate failed: the first (\d+) requests of this job", history)
+    assert len(first) == 1, history[-4000:]
+    assert history.count("an earlier attempt") == 2
+    # One engine start for the three attempts: every request went to the first attempt's
+    # engine, at most what it had in flight (generation.concurrency 32) when it stopped. It was
+    # 96 for the 3 attempts before.
+    assert (logs / "engine.log").read_text().count("engine start #") == 3 + 1
+    requests = fake_sglang.count_requests(counter)
+    assert int(first[0]) <= requests <= gen["concurrency"] + gen["retry"]["fail_fast_after"]
+    # The first phase's lines are still there: no attempt erased an earlier one's log.
+    assert history.count("generate failed:") == 3 + 1 + 2, history[-4000:]
+    # Snakemake's own log of the job: the last attempt only.
+    attempt = (logs / "attempt.log").read_text()
+    assert "an earlier attempt" in attempt and "tokenmill generate attempt:" not in attempt
+
+
+def test_restarted_controller_waits_for_its_orphaned_job_and_completes(tmp_path):
+    """The controller is SIGKILLed mid-generate; its generate job runs on (an orphan). The
+    restarted controller's job finds the shard locked, waits for the holder, and completes from
+    its journal: the run succeeds, every sample once, and generate.log keeps the holder's lines."""
+    workdir = copy_workflow(tmp_path)
+    counter, hold = tmp_path / "requests.jsonl", tmp_path / "hold"
+    hold.write_text("5")  # 5 answered, then every request is held
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    config["categories"] = {"chat": {**config["categories"]["chat"], "shards": 1}}
+    config["generation"]["launch"]["command"] = [
+        "{python}", fake_sglang.FAKE, "--model-path", "{model}", "--host", "{host}",
+        "--port", "{port}", "--counter-file", str(counter), "--hold-file", str(hold),
+    ]  # fmt: skip
+    (workdir / "run.yaml").write_text(yaml.safe_dump(config))
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", HF_HUB_OFFLINE="1")
+    cmd = [str(BIN / "snakemake"), "--profile", "profiles/local", "--cores", "2"]
+    cmd += ["--configfile", "run.yaml"]
+    with open(tmp_path / "controller-a.log", "w") as log_a:  # the child keeps its own copy
+        first = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log_a, stderr=subprocess.STDOUT)
+    second = holder = None
+    try:
+        lock = workdir / "journal/chat/000.lock"  # journal_dir: journal
+        deadline = time.monotonic() + 600
+        while fake_sglang.count_requests(counter) < 5 and time.monotonic() < deadline:
+            assert first.poll() is None, (tmp_path / "controller-a.log").read_text()[-3000:]
+            time.sleep(0.5)
+        assert lock.exists()
+        holder = json.loads(lock.read_text())["pid"]
+        first.kill()  # SIGKILL: the controller only; its generate job runs on
+        first.wait(timeout=30)
+        assert os.path.exists(f"/proc/{holder}")
+
+        unlock = snakemake(workdir, "--configfile", "run.yaml", "--unlock")
+        assert unlock.returncode == 0, unlock.stderr[-2000:]
+        env.update(TOKENMILL_LOCK_WAIT_S="300", TOKENMILL_LOCK_POLL_S="0.5")
+        second = subprocess.Popen(
+            cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        history = workdir / "results/logs/generate/chat/000/generate.log"
+        deadline = time.monotonic() + 300
+        while "Waiting up to 300 s" not in history.read_text() and time.monotonic() < deadline:
+            assert second.poll() is None
+            time.sleep(0.5)
+        hold.unlink()  # the orphan goes on and finishes its shard
+        out, _ = second.communicate(timeout=600)
+        assert second.returncode == 0, out[-4000:]
+        text = history.read_text()
+        assert text.count("=== tokenmill generate attempt:") == 2, text[-4000:]
+        holder_part = text.split("=== tokenmill generate attempt:")[1]
+        assert "INFO" in holder_part  # the holder's first lines, before the restart: still there
+        assert "Waiting up to 300 s" in text and "generate failed" not in text, text[-4000:]
+        engine_log = (workdir / "results/logs/generate/chat/000/engine.log").read_text()
+        assert engine_log.count("engine start #") == 1  # the waiting job started none
+        ids = [
+            pid
+            for name in ("generated/chat/000.parquet", "rejected/generate/chat/000.parquet")
+            for pid in pq.read_table(workdir / "results" / name).column("prompt_id").to_pylist()
+        ]
+        assert len(ids) == len(set(ids)) and fake_sglang.count_requests(counter) == len(ids)
+    finally:  # never leave a controller, the orphan or its engine behind
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+        if holder is not None and os.path.exists(f"/proc/{holder}"):
+            os.kill(holder, 15)

@@ -7,11 +7,17 @@ rule generate_shard:
         generated=res("generated/{category}/{shard}.parquet"),
         rejected=res("rejected/generate/{category}/{shard}.parquet"),
         meta=res("generated/{category}/{shard}.meta.json"),
+    # Snakemake deletes a rule's log before each attempt: this one holds the current attempt's
+    # output only (show-failed-logs prints it). generate.log next to it, which Snakemake does
+    # not know, keeps every attempt's (appended, a header line each): a requeued or restarted
+    # job, or one waiting for a live lock, never erases an earlier attempt's lines.
     log:
-        res("logs/generate/{category}/{shard}/generate.log"),
+        res("logs/generate/{category}/{shard}/attempt.log"),
     benchmark:
         res("benchmarks/generate/{category}/{shard}.tsv")
-    retries: 2
+    # No `retries:` here: a rule's own count would override the `--retries 0` that the slurm
+    # executor gives the Snakemake inside each job, which then retried inside the allocation.
+    # The profile's `retries` is the only count (profiles/*/config.yaml).
     resources:
         # tokenmill.generate.resources: the category's overrides, GPUs per node (gres and
         # nodes for a multi-node engine), runtime and memory growing with the attempt (capped).
@@ -31,12 +37,19 @@ rule generate_shard:
         tokenizer=tokenizer_json,
         generation_fingerprint=GENERATION_FINGERPRINT,
         log_dir=generate_log_dir,
+    # tee ignores SIGTERM/SIGINT (SLURM signals every process of the job): it keeps copying
+    # until generate itself has written its last line and exits.
     shell:
+        'mkdir -p {params.log_dir:q}; echo "=== tokenmill generate attempt: $(date -u'
+        " +%Y-%m-%dT%H:%M:%SZ) host $(hostname) SLURM job ${{SLURM_JOB_ID:-none}} (restart"
+        " ${{SLURM_RESTART_COUNT:-0}}) runtime {resources.runtime} min mem {resources.mem_mb}"
+        ' MB ===" >> {params.log_dir:q}/generate.log; '
         "tokenmill generate --category {wildcards.category:q} --shard {wildcards.shard}"
         ' --generation-config "$TOKENMILL_GENERATION_JSON" --tokenizer-config {params.tokenizer:q}'
         " --tokenized {input.tokenized:q} --out {output.generated:q}"
         " --rejected {output.rejected:q} --meta {output.meta:q}"
-        ' --journal-dir "$TOKENMILL_JOURNAL_DIR" --log-dir {params.log_dir:q} > {log:q} 2>&1'
+        ' --journal-dir "$TOKENMILL_JOURNAL_DIR" --log-dir {params.log_dir:q} 2>&1'
+        " | ( trap '' TERM INT; exec tee -a {params.log_dir:q}/generate.log ) > {log:q}"
 
 
 # The controller (slurm executor only; never in jobs or dry runs) requeues its jobs that a

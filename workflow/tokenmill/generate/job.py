@@ -339,8 +339,8 @@ async def generate(job: Job, missing: list[Item], frontier=None, follow=None) ->
                 clock["first_request"] = stats.started = time.monotonic()
             try:
                 await client.run(todo)
-            except FailFast as exc:
-                raise GenerationFailed(
+            except FailFast as exc:  # still a FailFast: the command records it (failure.py)
+                raise FailFast(
                     f"{exc}\nlast lines of the engine log:\n{engine.log_tail()}"
                 ) from None
             except EngineDied as exc:

@@ -6,11 +6,15 @@ samples. So `tokenmill generate` first takes `{journal_dir}/{category}/{shard}.l
 record of who holds it: host, pid (and the pid's start time, against pid reuse), SLURM job id.
 
 The holder is alive when it is on this host and its process still runs, or, on another host,
-when its SLURM job is still running per `squeue -j`. A live holder makes the newcomer fail fast
-with a message that names it; a dead one's lock (SIGKILL, node crash) is taken over. A requeued
-SLURM job finds its own job id in the lock and takes it over. Check-and-take runs under
-flock(2) on `{journal_dir}/{category}/.shard-locks`, so two newcomers cannot both take a stale
-lock (on NFS this needs working locks: lockd for v3, built in for v4).
+when its SLURM job is still running per `squeue -j`. A live holder makes the newcomer wait for
+it (a log line names it; TOKENMILL_LOCK_WAIT_S, default 3600 s, checked every
+TOKENMILL_LOCK_POLL_S, default 10 s): once the holder is gone the newcomer takes the lock and
+finds the holder's samples in the journal (a holder that finished the shard leaves it nothing
+to request). Still held after the wait: it fails with a message that names the holder (the
+scheduler's next attempt waits again). A dead holder's lock (SIGKILL, node crash) is taken
+over. A requeued SLURM job finds its own job id in the lock and takes it over. Check-and-take
+runs under flock(2) on `{journal_dir}/{category}/.shard-locks`, so two newcomers cannot both
+take a stale lock (on NFS this needs working locks: lockd for v3, built in for v4).
 """
 
 from __future__ import annotations
@@ -129,7 +133,41 @@ def _read(path: Path) -> dict | None:
         return {}  # torn or unreadable: nobody can prove it is alive
 
 
-def acquire(journal_dir, category: str, shard: str) -> Path:
+def _env_s(name: str, default: float) -> float:
+    try:
+        return max(0.0, float(os.environ.get(name, default)))
+    except ValueError:
+        return default
+
+
+def acquire(journal_dir, category: str, shard: str, wait_s: float | None = None,
+            poll_s: float | None = None) -> Path:  # fmt: skip
+    """Take the shard's lock, waiting up to `wait_s` (TOKENMILL_LOCK_WAIT_S) for a live
+    holder; ShardLocked when it still holds it then."""
+    wait_s = _env_s("TOKENMILL_LOCK_WAIT_S", 3600.0) if wait_s is None else wait_s
+    poll_s = _env_s("TOKENMILL_LOCK_POLL_S", 10.0) if poll_s is None else poll_s
+    deadline = time.monotonic() + wait_s
+    told = False
+    while True:
+        try:
+            return _try_acquire(journal_dir, category, shard)
+        except ShardLocked as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if told:
+                    waited = f" Waited {wait_s:.0f} s (TOKENMILL_LOCK_WAIT_S)."
+                    raise ShardLocked(f"{exc}{waited}") from None
+                raise
+            if not told:
+                log.warning(
+                    "%s Waiting up to %.0f s (TOKENMILL_LOCK_WAIT_S) for it to end; this job "
+                    "then resumes from the journal.", str(exc).split(" Not starting")[0], wait_s
+                )  # fmt: skip
+                told = True
+            time.sleep(max(0.05, min(poll_s, left)))
+
+
+def _try_acquire(journal_dir, category: str, shard: str) -> Path:
     path = lock_path(journal_dir, category, shard)
     path.parent.mkdir(parents=True, exist_ok=True)
     mine = me()

@@ -29,8 +29,8 @@ import time
 from datetime import UTC, datetime
 
 from tokenmill import contracts
-from tokenmill.generate import conversations, prompts, shard_lock
-from tokenmill.generate.client import GenerationFailed
+from tokenmill.generate import conversations, failure, prompts, shard_lock
+from tokenmill.generate.client import FailFast, GenerationFailed
 from tokenmill.generate.job import held_resources
 from tokenmill.generate.launch import EngineError
 from tokenmill.generate.shard_lock import ShardLocked
@@ -132,13 +132,34 @@ def main(argv: list[str]) -> int:
             if k in os.environ
         },  # fmt: skip
     }
+    failed_at = failure.failure_path(args.journal_dir, args.category, args.shard)
     try:
-        # One process per shard: a second job on it (a restarted controller) fails fast here.
+        # One process per shard: a second job on it (a restarted controller) waits for the
+        # live holder (TOKENMILL_LOCK_WAIT_S), then resumes from its journal.
         with shard_lock.hold(args.journal_dir, args.category, args.shard):
-            rc = asyncio.run(_main_async(args, gen, tok_cfg, meta, t0))
+            # A deterministic failure of an earlier attempt with this very config is not paid
+            # again (generate/failure.py): exit before any engine starts.
+            ident = failure.identity(gen, args.tokenized)
+            earlier = failure.recorded(failed_at, ident)
+            if earlier is not None:
+                log.error(
+                    "generate failed: an earlier attempt (%s, SLURM job %s) failed with this "
+                    "same config for a reason a retry cannot change; not starting an engine. "
+                    "Change the config, or delete %s to try again. Its message:\n%s",
+                    earlier.get("time"), earlier.get("slurm_job_id") or "-", failed_at,
+                    earlier.get("message"),
+                )  # fmt: skip
+                return 1
+            try:
+                rc = asyncio.run(_main_async(args, gen, tok_cfg, meta, t0))
+            except FailFast as exc:
+                failure.record(failed_at, ident, str(exc))
+                raise
     except (GenerationFailed, EngineError, ValueError, OSError, ShardLocked) as exc:
         log.error("generate failed: %s", exc)
         return 1
+    if rc == 0:
+        failure.clear(failed_at)
     if rc == 0:
         meta["end_time"] = datetime.now(UTC).isoformat(timespec="seconds")
         meta["held"] = held_resources(gen, args.category, meta)
