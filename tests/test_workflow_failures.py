@@ -95,7 +95,7 @@ def test_profile_retries_are_the_only_count_and_a_fail_fast_is_paid_once(tmp_pat
     assert run.returncode != 0, run.stdout[-3000:]
     history = (logs / "generate.log").read_text()
     assert history.count("=== tokenmill generate attempt:") == 6, history[-4000:]
-    first = re.findall(r"generate failed: the first (\d+) requests of this job", history)
+    first = re.findall(r"generate failed: none of the first (\d+) requests of this job", history)
     assert len(first) == 1, history[-4000:]
     assert history.count("an earlier attempt") == 2
     # One engine start for the three attempts: every request went to the first attempt's
