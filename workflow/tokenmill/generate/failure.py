@@ -62,4 +62,6 @@ def recorded(path: Path, ident: dict) -> dict | None:
 
 
 def clear(path: Path) -> None:
-    path.unlink(missing_ok=True)
+    # Look first: a run that had no failure to clear touches nothing in the journal's folder.
+    if path.exists():
+        path.unlink(missing_ok=True)
