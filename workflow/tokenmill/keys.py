@@ -16,6 +16,7 @@ from tokenmill import contracts, launch_flags
 from tokenmill.contracts import canonical_json
 from tokenmill.settings import GenerationSettings, load_section
 
+
 def generation_material(gen) -> dict:
     """Everything in the generation settings that shapes a token, as JSON values: what the
     fingerprint hashes. `gen` is a GenerationSettings, or a generation section as a dict
@@ -73,7 +74,7 @@ def _arg_diff(a: list, b: list) -> tuple[str, str]:
     while j < min(len(a), len(b)) - i and a[-1 - j] == b[-1 - j]:
         j += 1
     # Show the flag a changed value belongs to.
-    if i > 0 and a[i:len(a) - j] and b[i:len(b) - j] and not str(a[i]).startswith("-"):
+    if i > 0 and a[i : len(a) - j] and b[i : len(b) - j] and not str(a[i]).startswith("-"):
         i -= 1
     return " ".join(a[i : len(a) - j]) or "(none)", " ".join(b[i : len(b) - j]) or "(none)"
 

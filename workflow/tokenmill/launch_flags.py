@@ -130,8 +130,7 @@ FLAGS: tuple[FlagGroup, ...] = (
     ),
     FlagGroup(
         TOKEN_AFFECTING,
-        "how one request is computed: prefill chunking and prefix reuse change the reduction "
-        "order",
+        "how one request is computed: prefill chunking and prefix reuse change the reduction order",
         {
             "--chunked-prefill-size": 1,
             "--max-prefill-tokens": 1,
