@@ -9,7 +9,7 @@ Layout of {journal_dir}/{category}/:
     {shard}.stale.parquet             records the shard no longer asks for (older generation
                                       settings, edited prompts): read only when a sample is
                                       missing everywhere else; safe to delete to reclaim space
-    {shard}.generation.json           the generation fingerprint and its material (keys.py) the
+    generation-{shard}.json           the generation fingerprint and its material (keys.py) the
                                       shard's last job ran with: says what a change invalidates
     .lock                             flock, held while the layout or a shard's files change
 
@@ -540,7 +540,7 @@ class ShardJournal:
     @property
     def generation_file(self) -> Path:
         """The generation fingerprint (and its material) this shard's last job ran with."""
-        return self.dir / f"{self.shard}.generation.json"
+        return self.dir / f"generation-{self.shard}.json"
 
     def read_generation(self) -> dict | None:
         """{"fingerprint", "material"} of the shard's last job; None: none recorded."""

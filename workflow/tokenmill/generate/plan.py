@@ -24,7 +24,7 @@ generate job does (generate/conversations.py). That is an upper bound ("<=" in t
 conversation ends early at a truncated turn or a tool call the model made differently.
 
 When the generation fingerprint changed since a shard's last generate job (the
-`{shard}.generation.json` beside its journal), a warning names the config keys that changed and
+`generation-{shard}.json` beside its journal), a warning names the config keys that changed and
 how many journaled samples of the shard no longer match (column `invalidated` of --json).
 
 Run it before submitting (the tokenize stage must have run: `snakemake --until
