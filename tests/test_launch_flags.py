@@ -208,7 +208,7 @@ def test_operational_flags_rerun_nothing_and_a_dtype_change_says_what_it_costs(t
     assert said in plan.stdout, plan.stdout
     dry = snakemake(wd, "-n", "--configfile", "dtype.yaml")
     assert "rule generate_shard:" in dry.stdout + dry.stderr
-    run = snakemake(wd, "--configfile", "dtype.yaml", target)
+    run = snakemake(wd, target, "--configfile", "dtype.yaml")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
     log = (wd / "results/logs/generate/code/000/generate.log").read_text()
     assert said in log, log[-3000:]
