@@ -1,9 +1,11 @@
 """Generation fingerprint and sample keys: what makes a generated sample reusable.
 
 A sample is identified by its prompt's token ids and by everything that shapes the engine's
-answer (model, revision, sampling, stop tokens, seed policy, output-relevant launch flags).
-The Snakefile puts the fingerprint in `params`, so changing any of these reruns generation
-and nothing else does; the journal uses sample keys, so a rerun never pays twice.
+answer (model, revision, sampling, stop tokens, seed policy, the launch command without its
+operational flags: launch_flags.py). The Snakefile puts the fingerprint in `params`, so
+changing any of these reruns generation and nothing else does; the journal uses sample keys,
+so a rerun never pays twice. `material_changes` names what changed between two fingerprints'
+materials (the generate job and `tokenmill plan` report it).
 """
 
 from __future__ import annotations
