@@ -705,9 +705,12 @@ def test_changed_shard_count_moves_records_once(tmp_path):
         assert all(f.startswith(f"{s:03d}.") for f in m["journal"]["files_read"]), m["journal"]
     got = [pid for r in after for pid in r.result()[0].column("prompt_id").to_pylist()]
     assert sorted(got) == sorted(everything)
-    # every shard's journal is compacted again: one Parquet file per shard, no JSONL
+    # every shard's journal is compacted again: one Parquet file per shard, no JSONL (and the
+    # fingerprint each shard's last job ran with)
     names = sorted(p.name for p in (jdir / "chat").iterdir() if not p.name.startswith("."))
-    assert names == ["000.parquet", "001.parquet", "002.parquet", journal.MANIFEST]
+    records = [f"{s:03d}.parquet" for s in range(3)]
+    fingerprints = [f"generation-{s:03d}.json" for s in range(3)]
+    assert names == [*records, *fingerprints, journal.MANIFEST]
 
 
 KILL_AT = """

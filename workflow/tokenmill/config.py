@@ -134,7 +134,7 @@ def job_environment(config: Settings | dict, configfiles=()) -> dict[str, str]:
 def outputs_config(config: Settings | dict) -> dict:
     """The config as far as it shapes outputs: the rerun trigger of the rules that read the
     whole config (stats, card, provenance). Generation counts only through its fingerprint
-    (model, revision, engine, sampling, stop tokens, seed policy, output-relevant launch
+    (model, revision, engine, sampling, stop tokens, seed policy, token-affecting launch
     flags): concurrency, retries, timeouts, resources, start-up limits, URLs and the like do
     not change a token, and neither does where the journal lives."""
     config = as_settings(config)

@@ -1,9 +1,11 @@
 """Generation fingerprint and sample keys: what makes a generated sample reusable.
 
 A sample is identified by its prompt's token ids and by everything that shapes the engine's
-answer (model, revision, sampling, stop tokens, seed policy, output-relevant launch flags).
-The Snakefile puts the fingerprint in `params`, so changing any of these reruns generation
-and nothing else does; the journal uses sample keys, so a rerun never pays twice.
+answer (model, revision, sampling, stop tokens, seed policy, the launch command without its
+operational flags: launch_flags.py). The Snakefile puts the fingerprint in `params`, so
+changing any of these reruns generation and nothing else does; the journal uses sample keys,
+so a rerun never pays twice. `material_changes` names what changed between two fingerprints'
+materials (the generate job and `tokenmill plan` report it).
 """
 
 from __future__ import annotations
@@ -12,53 +14,75 @@ import hashlib
 
 import numpy as np
 
-from tokenmill import contracts
+from tokenmill import contracts, launch_flags
 from tokenmill.contracts import canonical_json
 from tokenmill.settings import GenerationSettings, load_section
 
-# Launch flags that cannot change what the engine generates (where and how it listens, logs,
-# watchdogs). They are left out of the fingerprint; every other flag counts.
-OUTPUT_IRRELEVANT_FLAGS = {
-    "--host": 1,
-    "--port": 1,
-    "--log-level": 1,
-    "--enable-metrics": 0,
-    "--watchdog-timeout": 1,
-    "--api-key": 1,
-    "--admin-api-key": 1,
-}
 
-
-def _relevant_launch_args(command: list[str]) -> list[str]:
-    out, skip = [], 0
-    for arg in command:
-        if skip:
-            skip -= 1
-            continue
-        flag = arg.split("=", 1)[0]
-        if flag in OUTPUT_IRRELEVANT_FLAGS:
-            skip = 0 if "=" in arg else OUTPUT_IRRELEVANT_FLAGS[flag]
-            continue
-        out.append(arg)
-    return out
-
-
-def generation_fingerprint(gen) -> str:
-    """The hash of everything in the generation settings that shapes a token. `gen` is a
-    GenerationSettings, or a generation section as a dict (validated here, defaults filled)."""
+def generation_material(gen) -> dict:
+    """Everything in the generation settings that shapes a token, as JSON values: what the
+    fingerprint hashes. `gen` is a GenerationSettings, or a generation section as a dict
+    (validated here, defaults filled). The launch command keeps only its token-affecting
+    arguments (launch_flags.py; `launch.operational_flags` names more operational ones)."""
     if not isinstance(gen, GenerationSettings):
         gen = load_section(gen, "generation")
     raw = gen.raw  # the validated JSON values: the material hashes as it always has
-    material = {
+    launch = None
+    if gen.managed:
+        launch = launch_flags.token_affecting_args(
+            list(gen.launch.command or []), gen.launch.operational_flags
+        )
+    return {
         "engine": gen.engine,
         "model": gen.model,
         "revision": gen.revision,
         "sampling": raw["sampling"],
         "stop_tokens": raw["stop_tokens"],
         "seed_policy": gen.seed_policy,
-        "launch": _relevant_launch_args(list(gen.launch.command or [])) if gen.managed else None,
+        "launch": launch,
     }
-    return hashlib.sha256(canonical_json(material).encode()).hexdigest()
+
+
+def generation_fingerprint(gen) -> str:
+    """The hash of generation_material(gen)."""
+    return hashlib.sha256(canonical_json(generation_material(gen)).encode()).hexdigest()
+
+
+def material_changes(old: dict, new: dict) -> list[str]:
+    """What differs between two generation materials, one line per config key, e.g.
+    "generation.launch.command: --dtype float16 -> --dtype bfloat16"."""
+    names = {"launch": "launch.command", "sampling": "sampling"}
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if a == b:
+            continue
+        if k == "launch" and isinstance(a, list) and isinstance(b, list):
+            a, b = _arg_diff(a, b)
+        elif isinstance(a, dict) and isinstance(b, dict):
+            keys_ = sorted(x for x in set(a) | set(b) if a.get(x) != b.get(x))
+            a = canonical_json({x: a.get(x) for x in keys_})
+            b = canonical_json({x: b.get(x) for x in keys_})
+        out.append(f"generation.{names.get(k, k)}: {_show(a)} -> {_show(b)}")
+    return out
+
+
+def _arg_diff(a: list, b: list) -> tuple[str, str]:
+    """The differing middle of two argument lists (common head and tail dropped)."""
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    j = 0
+    while j < min(len(a), len(b)) - i and a[-1 - j] == b[-1 - j]:
+        j += 1
+    # Show the flag a changed value belongs to.
+    if i > 0 and a[i : len(a) - j] and b[i : len(b) - j] and not str(a[i]).startswith("-"):
+        i -= 1
+    return " ".join(a[i : len(a) - j]) or "(none)", " ".join(b[i : len(b) - j]) or "(none)"
+
+
+def _show(v) -> str:
+    return v if isinstance(v, str) else canonical_json(v)
 
 
 def sample_key(fingerprint: str, prompt_ids) -> str:

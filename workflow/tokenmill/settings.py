@@ -270,6 +270,7 @@ class LaunchSettings(_Section):
     max_restarts: int
     nnodes: int
     env: Mapping[str, str]
+    operational_flags: tuple[str, ...]  # more flags left out of the fingerprint
 
 
 @dataclass(frozen=True)

@@ -256,9 +256,50 @@ def open_job(args, gen: GenerationSettings, tok_cfg: TokenizerSettings, meta: di
         migration = journal.ensure_layout(args.journal_dir, args.category, shard.num_shards)
     sj = journal.ShardJournal(args.journal_dir, args.category, args.shard)
     index = sj.open(want)
+    material = redact(keys.generation_material(gen))
+    change = fingerprint_change(sj, fingerprint, material, index)
+    if change is not None:
+        log.warning("%s", change_message(change))
+        meta["fingerprint_change"] = change
+    if change is not None or sj.read_generation() is None:
+        sj.write_generation(fingerprint, material)
     clock = {"t0": t_run if t0 is None else t0, "run": t_run}
     return Job(args, gen, tok_cfg, meta, clock, fingerprint, api, shard, sj, index, migration,
                pre_rejected)  # fmt: skip
+
+
+def fingerprint_change(sj: journal.ShardJournal, fingerprint: str, material: dict,
+                       index: journal.Index | None = None, wanted=None) -> dict | None:  # fmt: skip
+    """What changed since the shard's last job, when it ran with another generation
+    fingerprint: {"shard", "changes": ["generation.X: old -> new", ...], "records": N,
+    "upper_bound"}. N: the shard's journaled records whose key the shard no longer asks for
+    (its compacted and JSONL files, as `index` read them or as `wanted` selects); a
+    conversation shard (every key wanted) counts all of them, an upper bound. None: no
+    change, or no fingerprint recorded (a journal older than the record)."""
+    prev = sj.read_generation()
+    if prev is None or prev.get("fingerprint") == fingerprint:
+        return None
+    own = index is None
+    if own:
+        index = sj.open(wanted)
+    try:
+        bound = index.wanted is None
+        n = index.lines if bound else index.unwanted
+    finally:
+        if own:
+            index.close()
+    changes = keys.material_changes(prev.get("material") or {}, material)
+    return {"shard": sj.shard, "changes": changes, "records": n, "upper_bound": bound}
+
+
+def change_message(change: dict) -> str:
+    what = "; ".join(change["changes"]) or "settings not recorded"
+    n = change["records"]
+    bound = "up to " if change["upper_bound"] else ""
+    return (
+        f"generation fingerprint changed ({what}): {bound}{n} journaled "
+        f"sample{'' if n == 1 else 's'} of shard {change['shard']} no longer match"
+    )
 
 
 def common_meta(job: Job) -> dict:

@@ -9,6 +9,8 @@ Layout of {journal_dir}/{category}/:
     {shard}.stale.parquet             records the shard no longer asks for (older generation
                                       settings, edited prompts): read only when a sample is
                                       missing everywhere else; safe to delete to reclaim space
+    generation-{shard}.json           the generation fingerprint and its material (keys.py) the
+                                      shard's last job ran with: says what a change invalidates
     .lock                             flock, held while the layout or a shard's files change
 
 A job reads only its own shard's files (`ShardJournal.open`), so replay costs what the shard
@@ -495,6 +497,11 @@ class Index:
     def kinds(self) -> set[str]:
         return {self.sources[src].kind for src, *_ in self.entries.values()}
 
+    @property
+    def unwanted(self) -> int:
+        """Records read whose key nobody asked for (0 when every key is wanted)."""
+        return sum(s.unwanted for s in self.sources)
+
     def stats(self) -> dict:
         read = self.sources
         return {
@@ -529,6 +536,26 @@ class ShardJournal:
         self.shard = shard
         self.live = self.dir / f"{shard}.parquet"
         self.stale = self.dir / f"{shard}.stale.parquet"
+
+    @property
+    def generation_file(self) -> Path:
+        """The generation fingerprint (and its material) this shard's last job ran with."""
+        return self.dir / f"generation-{self.shard}.json"
+
+    def read_generation(self) -> dict | None:
+        """{"fingerprint", "material"} of the shard's last job; None: none recorded."""
+        try:
+            return json.loads(self.generation_file.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def write_generation(self, fingerprint: str, material: dict) -> None:
+        """Record the fingerprint this job runs with (atomically; no secrets in `material`)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".{self.generation_file.name}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"fingerprint": fingerprint, "material": material},
+                                  indent=1, sort_keys=True) + "\n")  # fmt: skip
+        os.replace(tmp, self.generation_file)
 
     def jsonl_files(self) -> list[Path]:
         return sorted(self.dir.glob(f"{self.shard}.*.jsonl")) if self.dir.is_dir() else []

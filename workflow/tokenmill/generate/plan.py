@@ -23,6 +23,10 @@ requests still to send are the turns not journaled yet, found by replaying the j
 generate job does (generate/conversations.py). That is an upper bound ("<=" in the table): a
 conversation ends early at a truncated turn or a tool call the model made differently.
 
+When the generation fingerprint changed since a shard's last generate job (the
+`generation-{shard}.json` beside its journal), a warning names the config keys that changed and
+how many journaled samples of the shard no longer match (column `invalidated` of --json).
+
 Run it before submitting (the tokenize stage must have run: `snakemake --until
 tokenize_prompts ...`); a dry run cannot show it, because the generate jobs are behind the
 tokenize checkpoint. `--pilot` starts the engine where it runs: in managed mode run it inside a
@@ -46,6 +50,7 @@ import pyarrow.parquet as pq
 from tokenmill import contracts, keys
 from tokenmill.generate import conversations, job, journal
 from tokenmill.generate.resources import category_resources, gpus_per_job
+from tokenmill.redaction import redact
 from tokenmill.settings import ConfigError, Settings, load_config_file
 from tokenmill.tokenization.shards import shard_names
 
@@ -73,6 +78,8 @@ class CategoryPlan:
         self.items: dict[str, object] = {}
         self.config, self.basedir = config, basedir
         self.conversation_shards: dict[str, Path] = {}
+        self.fingerprint_changes: list[dict] = []  # job.fingerprint_change of each shard
+        material = redact(keys.generation_material(gen))
         self.turns_left: dict[str, int] = {}  # conversation shard -> turns not journaled yet
         for name in names:
             path = results / "tokenized" / category / f"{name}.parquet"
@@ -85,7 +92,14 @@ class CategoryPlan:
             ntok = pq.read_table(path, columns=["num_prompt_tokens"]).column(0)
             self.prompt_tokens += int(pc.sum(ntok).as_py() or 0)
             self.shards[name] = []
-            if contracts.is_regenerated(path):
+            sj = journal.ShardJournal(self.journal_dir, category, name)
+            conv = contracts.is_regenerated(path)
+            change = job.fingerprint_change(
+                sj, self.fingerprint, material, wanted=None if conv else set(shard.keys)
+            )
+            if change is not None:
+                self.fingerprint_changes.append(change)
+            if conv:
                 self.conversation_shards[name] = path
                 continue
             for i in range(len(shard)):
@@ -169,6 +183,7 @@ def _row(cp: CategoryPlan, config: dict, throughput: float | None, pilot: dict |
         "shards": cp.shards_configured,
         "shards_tokenized": cp.tokenized,
         "journaled": len(cp.records),
+        "invalidated": sum(c["records"] for c in cp.fingerprint_changes),
         "to_send": n_send,
         "to_send_upper_bound": bool(cp.conversation_shards),
         "mean_output_tokens": round(mean_out, 1),
@@ -196,6 +211,8 @@ def make_plan(config: dict, basedir: Path, throughput: float | None, pilot_n: in
     used = throughput or measured
     rows = [_row(p, config, used, (pilot or {}).get(c)) for c, p in plans.items()]
     warnings = []
+    for p in plans.values():
+        warnings += [job.change_message(c) for c in p.fingerprint_changes]
     for r in rows:
         if r["shards_tokenized"] < r["shards"]:
             warnings.append(

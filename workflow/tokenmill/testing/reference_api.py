@@ -568,6 +568,11 @@ _IGNORED_FLAGS = [
     (("--enable-dp-attention",), False),
     (("--skip-server-warmup",), False),
     (("--incremental-streaming-output",), False),
+    # operational flags (tokenmill/launch_flags.py): accepted so tests can add them
+    (("--log-requests-level",), True),
+    (("--decode-log-interval",), True),
+    (("--show-time-cost",), False),
+    (("--dist-timeout",), True),
 ]
 
 
