@@ -498,11 +498,14 @@ def test_reproduce_from_provenance_matches_byte_for_byte(finished_run):
     assert "cannot reproduce" in said and "code_sample.jsonl" in said, said
 
 
-def test_gpu_hours_come_from_each_jobs_meta_not_todays_resources(finished_run, tmp_path):
+def test_gpu_hours_come_from_each_jobs_meta_not_todays_resources(demo_workdir, tmp_path):
     """Truthful cost: every generate job's meta records what it held (GPUs per node, nodes,
     engine version). Changing generation.resources after the run reruns no generate job, and
     the statistics, run again, keep the GPU-hours the metas give: not wall time x the new
     gpus (the demo's jobs held none: null before and after, where the old rule said 2 x wall)."""
+    # A copy of the session's untouched demo run: the module's finished_run is edited by the
+    # tests before this one, and a config derived from it would rerun their edits.
+    finished_run = copy_run(demo_workdir, tmp_path / "demo")
     results = finished_run / "results"
     metas = [json.loads(m.read_text()) for m in (results / "generated").glob("*/*.meta.json")]
     held = [m["held"] for m in metas]

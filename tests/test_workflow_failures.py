@@ -103,7 +103,10 @@ def test_profile_retries_are_the_only_count_and_a_fail_fast_is_paid_once(tmp_pat
     # 96 for the 3 attempts before.
     assert (logs / "engine.log").read_text().count("engine start #") == 3 + 1
     requests = fake_sglang.count_requests(counter)
-    assert int(first[0]) <= requests <= gen["concurrency"] + gen["retry"]["fail_fast_after"]
+    # the message counts the requests sent; the server logs those it answered (the ones in
+    # flight when the job stopped may never reach its log): at most one attempt's worth
+    assert int(first[0]) <= gen["concurrency"] + gen["retry"]["fail_fast_after"]
+    assert gen["retry"]["fail_fast_after"] <= requests <= int(first[0])
     # The first phase's lines are still there: no attempt erased an earlier one's log.
     assert history.count("generate failed:") == 3 + 1 + 2, history[-4000:]
     # Snakemake's own log of the job: the last attempt only.
