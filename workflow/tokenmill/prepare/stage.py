@@ -42,11 +42,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokenmill.contracts import (
+    META_CATEGORY,
     META_CONTEXT,
+    META_SOURCE_RECORDS,
     PROMPTS,
     REJECTED,
     ROW_GROUP_SIZE,
     ParquetWriter,
+    count_metadata,
     ordered_json,
     rejected_table,
 )
@@ -379,11 +382,9 @@ def prepare(category: str, cat: CategorySettings | dict, basedir: str | Path = "
 
 def _metadata(category: str, counts: dict) -> dict:
     return {
-        "tokenmill.category": category,
-        "tokenmill.records_in": str(counts["records_in"]),
-        "tokenmill.kept": str(counts["kept"]),
-        "tokenmill.rejected": str(counts["rejected"]),
-        "tokenmill.source_records": str(counts["source_records"]),
+        META_CATEGORY: category,
+        **count_metadata(counts["records_in"], counts["kept"], counts["rejected"]),
+        META_SOURCE_RECORDS: str(counts["source_records"]),
     }
 
 
