@@ -484,11 +484,16 @@ def make_app(engine: Engine) -> web.Application:
                     if not r.updated.is_set():
                         continue
                     r.updated.clear()
+                    done = r.state == "done"
                     chunk = engine.result(r)
+                    if chunk["meta_info"]["finish_reason"] is not None and not done:
+                        # Finished between steps but not yet closed by the scheduler: only the
+                        # closing chunk carries a finish_reason, as in SGLang.
+                        continue
                     if batch:
                         chunk["index"] = r.index
                     await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                    if r.state == "done":
+                    if done:
                         pending.discard(r)
             await resp.write(b"data: [DONE]\n\n")
         except (asyncio.CancelledError, ConnectionResetError):
