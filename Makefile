@@ -30,29 +30,26 @@ CHECK_MARKERS := not (e2e or slow or engines or slurm or trainers)
 check: lint
 	$(BIN)/pytest -q -m "$(CHECK_MARKERS)" --durations=25
 
-# The whole test suite: lint, what the suites need from apt, then two pytest sessions. Both
-# sessions run even when the first fails; the exit status says whether either did.
-# - everything but the two-node SLURM module, with the single-node cluster (config in /etc/slurm);
-# - the two-node SLURM module (tests/test_slurm_multinode.py): its real Snakemake runs need the
-#   two-node cluster's config in /etc/slurm, where the first session keeps the single-node one,
-#   so it gets a session (and one cluster start) of its own. Without root it skips, and under
-#   CI=true it fails.
+# The whole test suite: lint, what the suites need from apt, then three pytest sessions at
+# once (tests/run_sessions.py): the single-node SLURM module, the two-node SLURM module (each on
+# its own real cluster; both mostly wait on SLURM) and everything else on two xdist workers.
+# Each session's log is printed when it ends; the exit status says whether any failed.
+# Without root the SLURM modules skip, and under CI=true they fail.
 test: lint test-deps
-	rc=0; \
-	$(BIN)/pytest -q --durations=25 --ignore=tests/test_slurm_multinode.py || rc=$$?; \
-	TOKENMILL_SLURM_NODES=2 TOKENMILL_SLURM_ETC=/etc/slurm \
-		$(BIN)/pytest -q --durations=25 tests/test_slurm_multinode.py || rc=$$?; \
-	exit $$rc
+	$(BIN)/python tests/run_sessions.py
 
 # Packages from apt that the suites need (as root, Debian/Ubuntu): bubblewrap for the container
-# test (tests/test_fake_apptainer.py; under CI=true its absence is a failure). The SLURM suites
-# install theirs through tests/slurm/cluster.sh.
+# test (tests/test_fake_apptainer.py; under CI=true its absence is a failure) and the SLURM
+# clusters' packages (tests/slurm/cluster.sh install: once, before both SLURM sessions start).
 test-deps:
-	@if ! command -v bwrap >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "apt-get install bubblewrap"; \
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		export DEBIAN_FRONTEND=noninteractive; \
-		apt-cache show bubblewrap >/dev/null 2>&1 || apt-get update -qq >/dev/null; \
-		apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null; \
+		if ! command -v bwrap >/dev/null; then \
+			echo "apt-get install bubblewrap"; \
+			apt-cache show bubblewrap >/dev/null 2>&1 || apt-get update -qq >/dev/null; \
+			apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null; \
+		fi; \
+		bash tests/slurm/cluster.sh install; \
 	fi
 
 bench: $(VENV)/.installed

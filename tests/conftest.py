@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -51,10 +53,20 @@ def sample_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def demo_workdir(tmp_path_factory) -> Path:
     """The demo (config.yaml, the reference engine on CPU) run end to end by Snakemake in a tmp
-    copy of the workflow, once per test session (about 2 min), for every module that reads a
-    finished run. Read-only: a test that edits files or reruns Snakemake works on a copy
-    (helpers.copy_run)."""
-    workdir = copy_workflow(tmp_path_factory.mktemp("demo"))
-    proc = snakemake(workdir)
-    assert proc.returncode == 0, failed(proc)
+    copy of the workflow, once per test run (about 2 min), for every module that reads a
+    finished run. Under pytest-xdist the workers share one run: the first to need it makes it
+    under a lock, the others wait for it. Read-only: a test that edits files or reruns Snakemake
+    works on a copy (helpers.copy_run)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the folder every worker's basetemp is in
+    workdir, done = root / "demo-run", root / "demo-run.done"
+    with open(root / "demo-run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(workdir, ignore_errors=True)  # a failed attempt's leftovers
+            copy_workflow(workdir)
+            proc = snakemake(workdir)
+            assert proc.returncode == 0, failed(proc)
+            done.touch()
     return workdir

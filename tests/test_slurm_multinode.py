@@ -16,11 +16,11 @@ What it pins down (docs/cluster.md, "Two nodes: GPUs, nested srun, preemption"):
   sacct and squeue show for PreemptMode=REQUEUE, CANCEL and REQUEUE with GraceTime.
 
 Without root or apt the module is skipped (under CI=true that is a failure).
-Run: pytest -m slurm tests/test_slurm_multinode.py (about 2.5 min). With the cluster started
-with TOKENMILL_SLURM_ETC=/etc/slurm (and that variable set for pytest too) it also runs the real
-snakemake runs, which need the config where SLURM looks without SLURM_CONF: `make test` runs the
-module that way, in a pytest session of its own (the other session keeps the single-node
-cluster's config in /etc/slurm), so the cluster starts once.
+Run: pytest -m slurm tests/test_slurm_multinode.py. The cluster's config stays in its own folder,
+so the single-node cluster (config in /etc/slurm) can run at the same time. Real snakemake runs
+against it need one piece of test plumbing (`slurm_conf_path`): the jobstep plugin drops
+SLURM_CONF before its srun, so that srun would read /etc/slurm; wrappers first on PATH put it
+back.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
 HERE = ROOT / "tests" / "slurm" / "multinode"
 RUN = Path(os.environ.get("TOKENMILL_SLURM2_RUN", "/tmp/tokenmill-slurm2"))
-# TOKENMILL_SLURM_ETC=/etc/slurm (cluster.sh): needed by test_real_plugin_run_with_two_nodes.
 SLURM_CONF = Path(os.environ.get("TOKENMILL_SLURM_ETC", RUN / "etc")) / "slurm.conf"
+# The SLURM commands a job or its steps may call; each gets a wrapper in slurm_conf_path.
+SLURM_COMMANDS = ("srun", "sbatch", "squeue", "sacct", "scancel", "scontrol", "sinfo")
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -79,6 +80,29 @@ def cluster2():
     finally:
         if not already_up:
             sh("bash", str(CLUSTER), "stop", timeout=120, check=False)
+
+
+@pytest.fixture(scope="module")
+def slurm_conf_path(cluster2, tmp_path_factory) -> str:
+    """A PATH whose first folder wraps every SLURM command: each sets SLURM_CONF from
+    TOKENMILL_TEST_SLURM_CONF, which no plugin strips, then runs the real command. Jobs inherit
+    the controller's PATH (--export=ALL), so the jobstep plugin's srun, and tokenmill's own srun
+    inside the step, reach this cluster and not the one configured in /etc/slurm."""
+    wrappers = tmp_path_factory.mktemp("slurm-conf-bin")
+    for name in SLURM_COMMANDS:
+        real = shutil.which(name)
+        assert real, f"{name} is not installed"
+        path = wrappers / name
+        path.write_text(
+            f'#!/bin/sh\nexport SLURM_CONF="${{TOKENMILL_TEST_SLURM_CONF:?}}"\nexec {real} "$@"\n'
+        )
+        path.chmod(0o755)
+    return f"{wrappers}{os.pathsep}{os.environ['PATH']}"
+
+
+def wrapped_env(base: dict, path: str) -> dict:
+    return {**base, "PATH": path, "SLURM_CONF": str(SLURM_CONF),
+            "TOKENMILL_TEST_SLURM_CONF": str(SLURM_CONF)}  # fmt: skip
 
 
 def wait_job(job: str, timeout: float = 90) -> str:
@@ -327,8 +351,12 @@ def test_preempt_requeue_with_grace_time(cluster2, tmp_path):
     r = preempt(tmp_path, "lowgrace")
     step_term = [e["t"] for e in r["events"] if e["who"] == "step" and e["event"] == "TERM"]
     batch_term = [e["t"] for e in r["events"] if e["who"] == "batch" and e["event"] == "TERM"]
+    # SIGNALING (seen at the grace start on a loaded machine) is the steps' SIGTERM being
+    # delivered: the job is still running its grace time.
     left = [
-        float(x.split()[0]) for x in r["squeue"] if not x.split(" ", 1)[1].startswith("RUNNING")
+        float(x.split()[0])
+        for x in r["squeue"]
+        if not x.split(" ", 1)[1].startswith(("RUNNING", "SIGNALING"))
     ]
     # At preemption (grace start) only the job's steps get SIGTERM, not the batch script; the
     # job is killed (SIGTERM to all, SIGKILL after KillWait) no earlier than GraceTime=10 s later
@@ -343,12 +371,9 @@ def test_preempt_requeue_with_grace_time(cluster2, tmp_path):
 
 
 @pytest.mark.parametrize("gpu_resource", ["gres", "gpu"])
-def test_real_plugin_run_with_two_nodes(cluster2, tmp_path, gpu_resource):
-    """The same through snakemake --executor slurm. Its jobstep plugin drops SLURM_CONF before
-    its srun, so this needs the two-node cluster's config in /etc/slurm
-    (TOKENMILL_SLURM_ETC=/etc/slurm); skipped otherwise."""
-    if Path("/etc/slurm/slurm.conf") != SLURM_CONF:
-        pytest.skip("the two-node cluster's config is not in /etc/slurm (TOKENMILL_SLURM_ETC)")
+def test_real_plugin_run_with_two_nodes(cluster2, slurm_conf_path, tmp_path, gpu_resource):
+    """The same through snakemake --executor slurm (its jobstep plugin drops SLURM_CONF before
+    its srun: slurm_conf_path)."""
     shutil.copy2(HERE / "Snakefile", tmp_path / "Snakefile")
     bin_dir = Path(sys.executable).parent
     cmd = [
@@ -358,8 +383,7 @@ def test_real_plugin_run_with_two_nodes(cluster2, tmp_path, gpu_resource):
         "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "1",
         "--slurm-keep-successful-logs", "--config", f"gpu_resource={gpu_resource}",
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    env = wrapped_env(dict(os.environ), f"{bin_dir}{os.pathsep}{slurm_conf_path}")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=260)
     logs = "".join(
         p.read_text() for p in tmp_path.glob(".snakemake/slurm_logs/rule_two_nodes/*.log")
@@ -382,15 +406,9 @@ def test_real_plugin_run_with_two_nodes(cluster2, tmp_path, gpu_resource):
 
 # ---------------------------------------------------------------------------------- the pipeline
 # tokenmill itself on the two-node cluster, through `--profile profiles/slurm` (real snakemake,
-# real plugin). Like test_real_plugin_run_with_two_nodes these need the cluster's config in
-# /etc/slurm (TOKENMILL_SLURM_ETC=/etc/slurm): the jobstep plugin drops SLURM_CONF.
+# real plugin), with slurm_conf_path like test_real_plugin_run_with_two_nodes.
 
 MAIL = "ci@example.org"
-
-
-def needs_etc_slurm() -> None:
-    if Path("/etc/slurm/slurm.conf") != SLURM_CONF:
-        pytest.skip("the two-node cluster's config is not in /etc/slurm (TOKENMILL_SLURM_ETC)")
 
 
 def site_layer(workdir: Path, **generate_shard) -> str:
@@ -411,11 +429,10 @@ def pipeline_cmd(timeout_s: int, cfg: Path, layer: str, target: str) -> list:
     return [*cmd[:at], "--profile", layer, *cmd[at:]]
 
 
-def pipeline_env(**extra: str) -> dict:
+def pipeline_env(path: str, **extra: str) -> dict:
     import test_slurm as ts
 
-    env = {k: v for k, v in ts.env().items() if k != "SLURM_CONF"}
-    return {**env, **extra}
+    return {**wrapped_env(ts.env(), path), **extra}
 
 
 @pytest.fixture(scope="module")
@@ -426,7 +443,6 @@ def tokenized_workflow(cluster2, tmp_path_factory) -> Path:
     test_workflow.py), so each run submits only its generate jobs to SLURM."""
     import test_slurm as ts
 
-    needs_etc_slurm()
     workdir = ts.copy_workflow(tmp_path_factory.mktemp("tokenized") / "wf")
     cfg = ts.write_config(workdir, ts.make_config())
     cmd = ts.snakemake_cmd(300, cfg, "--until", "tokenize_prompts", profile="local")
@@ -442,11 +458,11 @@ def workflow_from(tokenized: Path, dest: Path) -> Path:
     return copy_run(tokenized, dest)
 
 
-def start_run(workdir: Path, cmd: list, name: str, **extra: str):
+def start_run(workdir: Path, cmd: list, name: str, path: str, **extra: str):
     out = workdir / f"{name}.out"
     with open(out, "w") as f:
         proc = subprocess.Popen(
-            cmd, cwd=workdir, env=pipeline_env(**extra), stdout=f, stderr=subprocess.STDOUT
+            cmd, cwd=workdir, env=pipeline_env(path, **extra), stdout=f, stderr=subprocess.STDOUT
         )
     return proc, out
 
@@ -457,7 +473,9 @@ def sacct_fields(job: str, fields: str) -> list[dict]:
     return [dict(zip(names, line.split("|"), strict=True)) for line in out.splitlines()]
 
 
-def test_two_node_engine_through_the_slurm_profile(cluster2, tokenized_workflow, tmp_path):
+def test_two_node_engine_through_the_slurm_profile(
+    cluster2, slurm_conf_path, tokenized_workflow, tmp_path
+):
     """generation.launch.nnodes=2 with gpus=2 (per node): the generate job gets 2 nodes with 2
     GPUs each (sbatch --nodes=2 --gres=gpu:2), the engine's srun one rank per node with that
     node's GPUs, the rendezvous address resolves to the first node's address, every prompt is
@@ -465,7 +483,6 @@ def test_two_node_engine_through_the_slurm_profile(cluster2, tokenized_workflow,
     job-name prefix, mail on failure through slurm_extra."""
     import test_slurm as ts
 
-    needs_etc_slurm()
     workdir = workflow_from(tokenized_workflow, tmp_path / "wf")
     command = ["{python}", ts.PROBE, "--node-rank", "{node_rank}", "--dist-init-addr",
                "{dist_init_addr}", "--nnodes", "{nnodes}", *ts.PROBE_COMMAND[2:]]  # fmt: skip
@@ -477,7 +494,7 @@ def test_two_node_engine_through_the_slurm_profile(cluster2, tokenized_workflow,
     cfg = ts.write_config(workdir, config)
     layer = site_layer(workdir, slurm_extra=f"'--mail-type=FAIL --mail-user={MAIL}'")
     target = "results/generated/chat/000.parquet"
-    proc, out = start_run(workdir, pipeline_cmd(400, cfg, layer, target), "mn")
+    proc, out = start_run(workdir, pipeline_cmd(400, cfg, layer, target), "mn", slurm_conf_path)
     rc, text = ts.finish(proc, out, timeout=460)
     assert rc == 0, ts.tail(text) + "\n" + ts._generate_log(workdir, "chat", "000")
 
@@ -541,13 +558,12 @@ def release_when_seen(job: str, proc: subprocess.Popen, out: Path, seen: str) ->
 
 
 @pytest.fixture(scope="module")
-def preempted_runs(cluster2, tokenized_workflow, tmp_path_factory):
+def preempted_runs(cluster2, slurm_conf_path, tokenized_workflow, tmp_path_factory):
     """Two controllers side by side, each generating chat/000 on one GPU: one in partition
     debug (PreemptMode=REQUEUE), one in lowcancel (PreemptMode=CANCEL). Once both journaled
     two samples, a job in partition high takes every GPU of both nodes and preempts both."""
     import test_slurm as ts
 
-    needs_etc_slurm()
     config = ts.make_config(
         concurrency=2,
         resources={"gpus": 1, "cpus": 1, "mem_mb": 1000, "runtime_min": 10},
@@ -562,7 +578,9 @@ def preempted_runs(cluster2, tokenized_workflow, tmp_path_factory):
             cfg = ts.write_config(workdir, config)
             layer = site_layer(workdir, slurm_partition=partition)
             cmd = pipeline_cmd(600, cfg, layer, target)
-            procs[mode] = start_run(workdir, cmd, mode, TOKENMILL_PREEMPT_WATCH_S="5")
+            procs[mode] = start_run(
+                workdir, cmd, mode, slurm_conf_path, TOKENMILL_PREEMPT_WATCH_S="5"
+            )
             runs[mode] = {"workdir": workdir}
         deadline = time.monotonic() + 300
         while not all(ts.journal_records(r["workdir"], "chat", "000") >= 2 for r in runs.values()):
@@ -626,13 +644,14 @@ def test_preempted_generate_job_resumes_and_the_controller_finishes(preempted_ru
     assert len(starts) == 2, starts  # the preempted engine and the restarted one
 
 
-def test_retries_grow_memory_and_runtime_up_to_the_caps(cluster2, tokenized_workflow, tmp_path):
+def test_retries_grow_memory_and_runtime_up_to_the_caps(
+    cluster2, slurm_conf_path, tokenized_workflow, tmp_path
+):
     """A generate job that fails every attempt (its engine exits at start): the profile's two
     retries ask for more memory each time (for an OUT_OF_MEMORY kill) and more time (for a
     TIMEOUT), but never more than max_mem_mb and max_runtime_min; the controller then stops."""
     import test_slurm as ts
 
-    needs_etc_slurm()
     workdir = workflow_from(tokenized_workflow, tmp_path / "wf")
     config = ts.make_config(
         launch={"command": ["{python}", "-c", "import sys; sys.exit(3)"]},
@@ -642,7 +661,9 @@ def test_retries_grow_memory_and_runtime_up_to_the_caps(cluster2, tokenized_work
     cfg = ts.write_config(workdir, config)
     layer = site_layer(workdir, slurm_partition="debug")
     target = "results/generated/chat/000.parquet"
-    proc, out = start_run(workdir, pipeline_cmd(400, cfg, layer, target), "retries")
+    proc, out = start_run(
+        workdir, pipeline_cmd(400, cfg, layer, target), "retries", slurm_conf_path
+    )
     rc, text = ts.finish(proc, out, timeout=460)
     assert rc != 0, ts.tail(text)
     jobs = ts.slurm_jobs_of(workdir, "generate_shard")

@@ -1,0 +1,84 @@
+"""The whole suite for `make test`: three pytest sessions at once, each logging to its own file.
+
+The two SLURM sessions spend most of their time waiting (job starts, time limits, the plugin's
+status polls), so they run beside the session that uses the CPUs:
+- slurm-1node: tests/test_slurm.py on the single-node cluster (config in /etc/slurm);
+- slurm-2node: tests/test_slurm_multinode.py on the two-node cluster (its own config folder,
+  so both clusters run at once);
+- main: everything else.
+Each session's log is printed whole when it ends, then one line per session: its result, wall
+time and CPU time (its processes and every descendant they waited for). The exit status is
+non-zero when any session failed (or collected nothing).
+
+Usage: python tests/run_sessions.py [--logs DIR] [--only NAME ...] [-- extra pytest args]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SLURM_1 = "tests/test_slurm.py"
+SLURM_2 = "tests/test_slurm_multinode.py"
+
+# name: (pytest arguments, environment). The main session runs on two pytest-xdist workers,
+# whole modules each (module fixtures and the order inside a module stay as they are).
+SESSIONS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "slurm-1node": ([SLURM_1], {}),
+    "slurm-2node": ([SLURM_2], {"TOKENMILL_SLURM_NODES": "2"}),
+    "main": ([f"--ignore={SLURM_1}", f"--ignore={SLURM_2}", "-n", "2", "--dist", "loadfile"], {}),
+}
+
+
+def main(argv: list[str]) -> int:
+    extra: list[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, extra = argv[:at], argv[at + 1 :]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--logs", type=Path, default=ROOT / ".test-logs")
+    parser.add_argument("--only", nargs="+", choices=sorted(SESSIONS), default=list(SESSIONS))
+    args = parser.parse_args(argv)
+    args.logs.mkdir(parents=True, exist_ok=True)
+
+    running = {}
+    for name in args.only:
+        paths, env = SESSIONS[name]
+        log = args.logs / f"{name}.log"
+        cmd = [sys.executable, "-m", "pytest", "-q", "--durations=25", *paths, *extra]
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT
+            )
+        running[name] = (proc, log, time.monotonic())
+        print(f"run_sessions: {name}: {' '.join(cmd[2:])} (log {log})", flush=True)
+
+    results = {}
+    by_pid = {proc.pid: name for name, (proc, _, _) in running.items()}
+    while running:
+        pid, status, usage = os.wait4(-1, 0)
+        if pid not in by_pid:
+            continue
+        name = by_pid[pid]
+        proc, log, t0 = running.pop(name)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        cpu = usage.ru_utime + usage.ru_stime
+        results[name] = (proc.returncode, time.monotonic() - t0, cpu)
+        print(f"\n===== {name}: exit {proc.returncode} =====", flush=True)
+        sys.stdout.write(log.read_text(errors="replace"))
+        sys.stdout.flush()
+
+    print("\nrun_sessions:")
+    for name, (rc, wall, cpu) in results.items():
+        status = "passed" if rc == 0 else f"FAILED (exit {rc})"
+        print(f"  {name:<12} {status:<16} {wall / 60:5.1f} min wall {cpu / 60:6.1f} min CPU")
+    return 0 if all(rc == 0 for rc, _, _ in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
