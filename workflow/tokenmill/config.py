@@ -116,7 +116,7 @@ def check_semantics(config: Settings | dict, basedir: str | Path = ".") -> None:
 
 
 # Top-level keys that say where or how to run, not what to produce.
-OPERATIONAL_TOP_KEYS = ("journal_dir",)
+OPERATIONAL_TOP_KEYS = ("journal_dir", "reject_limits")
 
 
 def job_environment(config: Settings | dict, configfiles=()) -> dict[str, str]:

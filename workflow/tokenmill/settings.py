@@ -262,6 +262,16 @@ class RejectLimitSettings(_Section):
 
 
 @dataclass(frozen=True)
+class RejectLimitsSettings(_Section):
+    """The rejection guards of the stages other than generate (tokenmill/guards.py)."""
+
+    raw: dict = field(repr=False, compare=False)
+    prepare: RejectLimitSettings = _nested(RejectLimitSettings)
+    tokenize: RejectLimitSettings = _nested(RejectLimitSettings)
+    merge: RejectLimitSettings = _nested(RejectLimitSettings)
+
+
+@dataclass(frozen=True)
 class LaunchSettings(_Section):
     raw: dict = field(repr=False, compare=False)
     command: tuple[str, ...] | None  # required in managed mode (a semantic check)
@@ -378,6 +388,7 @@ class Settings:
     generation: GenerationSettings
     reproduce: str | None
     dataset: DatasetSettings
+    reject_limits: RejectLimitsSettings
 
     @classmethod
     def from_config(cls, config: Mapping) -> Settings:
@@ -398,6 +409,7 @@ class Settings:
             generation=GenerationSettings.from_raw(raw["generation"]),
             reproduce=raw["reproduce"],
             dataset=DatasetSettings.from_raw(raw["dataset"]),
+            reject_limits=RejectLimitsSettings.from_raw(raw["reject_limits"]),
         )
 
     def resources(self, category: str | None = None) -> ResourceSettings:
@@ -434,6 +446,7 @@ _SECTION_CLASSES = {
     "tokenizer": TokenizerSettings,
     "generation": GenerationSettings,
     "dataset": DatasetSettings,
+    "reject_limits": RejectLimitsSettings,
 }
 
 
