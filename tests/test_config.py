@@ -223,3 +223,44 @@ def test_tokenizer_typo_fails_snakemake_before_any_job(base_config, tmp_path):
     assert "config key 'tokenizer.path': 'sample/modle' does not exist" in out, out
     assert "did you mean 'sample/model'?" in out, out
     assert not (tmp_path / "results").exists(), "a job ran despite the bad config"
+
+
+def test_slurm_tools_problem_is_one_sentence():
+    from types import SimpleNamespace
+
+    from tokenmill.workflow_support import slurm_tools_problem
+
+    slurm = SimpleNamespace(executor_plugin=SimpleNamespace(name="slurm", cli_prefix="slurm"))
+    local = SimpleNamespace(executor_plugin=SimpleNamespace(name="local", cli_prefix="local"))
+    assert slurm_tools_problem(local, which=lambda t: None) is None
+    assert slurm_tools_problem(slurm, which=lambda t: f"/usr/bin/{t}") is None
+    only_squeue = slurm_tools_problem(slurm, which=lambda t: "/x" if t != "sacct" else None)
+    assert only_squeue is None  # the plugin follows jobs with squeue when sacct is missing
+    none = slurm_tools_problem(slurm, which=lambda t: None)
+    assert "sbatch and sacct (or squeue) are not on PATH" in none and "\n" not in none
+
+
+@pytest.mark.e2e
+def test_slurm_executor_without_slurm_commands_fails_in_one_sentence(tmp_path):
+    """No SLURM command is reachable (PATH holds the venv and a few shell tools only), so
+    nothing can be submitted: the run stops before any job with one sentence."""
+    import shutil
+
+    from helpers import copy_workflow
+
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name in ("bash", "sh", "env", "which"):
+        (tools / name).symlink_to(shutil.which(name))
+    workdir = copy_workflow(tmp_path / "wf")
+    proc = subprocess.run(
+        [SNAKEMAKE, "--executor", "slurm", "--jobs", "1", "--cores", "1",
+         "results/prompts/chat.parquet"],
+        cwd=workdir, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PATH": f"{tools}{os.pathsep}{Path(SNAKEMAKE).parent}"},
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "the slurm executor (--profile slurm, or --executor slurm) needs SLURM's commands" in out
+    assert "Traceback" not in out, out[-3000:]
+    assert not (workdir / "results").exists(), "a job ran"
