@@ -212,3 +212,21 @@ def test_summary_of_a_partial_results_folder(tmp_path):
     assert lines[0] == "tokenmill: run finished; per category:"
     assert "c: not merged yet, 3 rejected (merge truncated 3); 3 truncated" in text
     assert f"report {res / 'report.html'} (make it: add --report" in text
+
+
+def test_stats_fails_a_category_that_kept_nothing_across_its_shards():
+    from tokenmill.dataset.stats import kept_nothing
+
+    merge = {"in": 3, "kept": 0, "rejected": 3, "reasons": {"truncated": 3}}
+    summary = {
+        "categories": {
+            "a": {"stages": {"merge": merge}},
+            "b": {"stages": {"merge": {"in": 2, "kept": 2, "rejected": 0, "reasons": {}}}},
+            "c": {"stages": {"merge": {"in": 0, "kept": 0, "rejected": 0, "reasons": {}}}},
+        }
+    }
+    lines = kept_nothing(summary, limit())
+    assert len(lines) == 1 and lines[0].startswith(guards.GUARD_PREFIX), lines
+    assert "category 'a', stage merge: 3 of 3 rejected in all its shards: nothing kept" in lines[0]
+    assert "top reasons: truncated 3" in lines[0] and "no statistics were written" in lines[0]
+    assert kept_nothing(summary, limit(1.0)) == []

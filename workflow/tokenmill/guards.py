@@ -96,14 +96,22 @@ def rejected_rows(path: str | Path) -> list[dict]:
     return pq.read_table(path, columns=cols).to_pylist()
 
 
-def message(stage: str, category: str, why: str, reasons: str, key: str, shard=None) -> str:
+def message(
+    stage: str,
+    category: str,
+    why: str,
+    reasons: str,
+    key: str,
+    shard=None,
+    outcome: str = "the stage's outputs were removed",
+) -> str:
     where = f"category '{category}'" + (f" shard {shard}" if shard is not None else "")
     text = f"{GUARD_PREFIX} {where}, stage {stage}: {why}"
     if reasons:
         text += f"; top reasons: {reasons}"
     return (
         f"{text}. Fix the data or the config (or raise {key}.max_fraction, 1.0 turns this "
-        "guard off); the stage's outputs were removed."
+        f"guard off); {outcome}."
     )
 
 
