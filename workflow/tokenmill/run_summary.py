@@ -102,7 +102,8 @@ def summary_lines(results: str | Path, categories, ok: bool, since: float = 0.0)
     if not ok:
         lines.append(f"  job logs: {results / 'logs'}")
         return lines
-    where = [f"dataset {results / 'dataset'}"]
+    dataset = results / "dataset"
+    where = [f"dataset {dataset}" + ("" if dataset.is_dir() else " (not written yet)")]
     for name, path in (
         ("statistics", results / "stats" / "summary.md"),
         ("provenance", results / "provenance.json"),
