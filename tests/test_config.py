@@ -37,18 +37,23 @@ def _broken(config, mutate):
 CASES = {
     "unknown key": (
         lambda c: c["tokenizer"].update(pathh="x"),
-        "tokenizer.pathh",
-        "unknown key (did you mean 'path'?)",
+        "tokenizer",
+        "('pathh' was unexpected) (did you mean 'path'?)",
     ),
     "unknown top-level key": (
         lambda c: c.update(max_promt_tokens=5),
-        "max_promt_tokens",
-        "unknown key (did you mean 'max_prompt_tokens'?)",
+        "<top level>",
+        "('max_promt_tokens' was unexpected) (did you mean 'max_prompt_tokens'?)",
     ),
     "unknown key in a shared shape": (
         lambda c: c.update(reject_limits={"merge": {"max_frac": 0.3}}),
-        "reject_limits.merge.max_frac",
-        "unknown key (did you mean 'max_fraction'?)",
+        "reject_limits.merge",
+        "('max_frac' was unexpected) (did you mean 'max_fraction'?)",
+    ),
+    "two unknown keys": (
+        lambda c: c["categories"]["code"].update(shard=2, formatt="glaive"),
+        "categories.code",
+        "(did you mean 'format' for 'formatt', 'shards' for 'shard'?)",
     ),
     "tokenizer path typo": (
         lambda c: c["tokenizer"].update(path="sample/modle"),

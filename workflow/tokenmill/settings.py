@@ -72,25 +72,25 @@ def load_schema() -> dict:
     return copy.deepcopy(_schema())
 
 
-def _did_you_mean(error: jsonschema.ValidationError, prefix: tuple) -> str | None:
-    """'config key 'a.b': unknown key 'modle' (did you mean 'model'?)' for an
-    additionalProperties error of a schema with named properties; None for other errors."""
+def _did_you_mean(error: jsonschema.ValidationError) -> str:
+    """' (did you mean 'model'?)' for an additionalProperties error whose unknown keys are
+    close to known ones (difflib); '' otherwise."""
     known = error.schema.get("properties") if isinstance(error.schema, dict) else None
     if not known or not isinstance(error.instance, dict):
-        return None
-    parts = []
-    for name in sorted(k for k in error.instance if k not in known):
-        key = _key([*prefix, *error.absolute_path, name])
+        return ""
+    unknown = sorted(k for k in error.instance if k not in known)
+    hints = []
+    for name in unknown:
         close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-        hint = f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(known)})"
-        parts.append(f"config key '{key}': unknown key{hint}")
-    return "\n  ".join(parts) or None
+        if close:
+            hints.append(f"'{close[0]}'" + (f" for '{name}'" if len(unknown) > 1 else ""))
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
 
 def _describe(error: jsonschema.ValidationError, prefix: tuple = ()) -> str:
     key = _key([*prefix, *error.absolute_path])
     if error.validator == "additionalProperties":
-        return _did_you_mean(error, prefix) or f"config key '{key}': {error.message}"
+        return f"config key '{key}': {error.message}{_did_you_mean(error)}"
     if error.validator == "required":
         return f"config key '{key}': {error.message}"
     if error.validator == "oneOf" and error.context:
