@@ -230,3 +230,19 @@ def test_stats_fails_a_category_that_kept_nothing_across_its_shards():
     assert "category 'a', stage merge: 3 of 3 rejected in all its shards: nothing kept" in lines[0]
     assert "top reasons: truncated 3" in lines[0] and "no statistics were written" in lines[0]
     assert kept_nothing(summary, limit(1.0)) == []
+
+
+def test_prepare_does_not_count_its_own_choices(tmp_path, capsys):
+    """Duplicates and prompts not sampled by max_prompts are the pipeline's choices, not faults
+    of the data: 30 copies of one prompt and a max_prompts cut pass the guard."""
+    from tokenmill.prepare import stage
+
+    lines = [_messages("the same prompt")] * 30 + [_messages(f"p{i}") for i in range(30)]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    cat = {"sources": ["d.jsonl"], "format": "messages", "max_prompts": 5}
+    out, rej = tmp_path / "p.parquet", tmp_path / "r.parquet"
+    argv = ["--category", "c", "--category-config", json.dumps(cat), "--out", str(out),
+            "--rejected", str(rej), "--basedir", str(tmp_path)]  # fmt: skip
+    assert stage.main(argv) == 0, capsys.readouterr().err
+    reasons = {r["reason"] for r in guards.rejected_rows(rej)}
+    assert reasons == {"duplicate_prompt", "over_max_prompts"}

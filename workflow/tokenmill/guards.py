@@ -7,8 +7,8 @@ generate from `generation.reject_limit` (its RejectionGuard judges a shard's end
 category for prepare and tokenize, a shard for merge and generate) fails when
 
   * at least `min_count` of its records were rejected and they are more than `max_fraction` of
-    those judged (reasons a stage rejects by design, such as prepare's over_max_prompts, are
-    neither counted nor judged), or
+    those judged (reasons a stage rejects by design, prepare's duplicate_prompt and
+    over_max_prompts, are neither counted nor judged), or
   * it kept nothing: a category with no record at all (an empty source), or all of its records
     rejected (a shard: two or more, as one prompt alone says little).
 

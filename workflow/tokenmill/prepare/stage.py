@@ -437,7 +437,9 @@ def main(argv: list[str]) -> int:
         args.rejected,
         guards.limit_for(STAGE),
         key=f"reject_limits.{STAGE}",
-        exempt=(formats.OVER_MAX_PROMPTS,),
+        # the pipeline's own choices, not faults of the data: a prompt seen before, one not
+        # among the sampled max_prompts
+        exempt=(formats.DUPLICATE_PROMPT, formats.OVER_MAX_PROMPTS),
         empty_detail=_empty_sources(cat, args.basedir),
     )
     if status:
