@@ -211,7 +211,7 @@ def test_summary_of_a_partial_results_folder(tmp_path):
     text = "\n".join(lines)
     assert lines[0] == "tokenmill: run finished; per category:"
     assert "c: not merged yet, 3 rejected (merge truncated 3); 3 truncated" in text
-    assert f"report {res / 'report.html'} (make it: add --report" in text
+    assert f"report {res / 'report.html'} (not made yet: the same command with --report" in text
 
 
 def test_stats_fails_a_category_that_kept_nothing_across_its_shards():

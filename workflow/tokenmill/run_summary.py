@@ -113,7 +113,11 @@ def summary_lines(results: str | Path, categories, ok: bool, since: float = 0.0)
     report = results / REPORT
     where.append(
         f"report {report}"
-        + ("" if report.exists() else " (make it: add --report " + str(report) + ")")
+        + (
+            ""
+            if report.exists()
+            else f" (not made yet: the same command with --report {report}, as make demo does)"
+        )
     )
     if total_truncated:
         lines.append(
