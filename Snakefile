@@ -30,3 +30,17 @@ rule all:
     default_target: True
     input:
         final_outputs(),
+
+
+# One short summary at the end of every run, whatever its targets: kept, rejected by reason,
+# truncated, where the outputs and the report are; after a failure, the guard message first.
+if not (workflow.remote_exec or workflow.subprocess_exec):
+    from tokenmill import run_summary
+
+    RUN_STARTED = run_summary.started()
+
+    onsuccess:
+        run_summary.print_summary(RESULTS, CATEGORIES, ok=True, since=RUN_STARTED)
+
+    onerror:
+        run_summary.print_summary(RESULTS, CATEGORIES, ok=False, since=RUN_STARTED)

@@ -1,6 +1,7 @@
 """A bad config fails before any job starts, with a message that names the key."""
 
 import copy
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,42 @@ CASES = {
     "unknown key": (
         lambda c: c["tokenizer"].update(pathh="x"),
         "tokenizer",
-        "'pathh' was unexpected",
+        "('pathh' was unexpected) (did you mean 'path'?)",
+    ),
+    "unknown top-level key": (
+        lambda c: c.update(max_promt_tokens=5),
+        "<top level>",
+        "('max_promt_tokens' was unexpected) (did you mean 'max_prompt_tokens'?)",
+    ),
+    "unknown key in a shared shape": (
+        lambda c: c.update(reject_limits={"merge": {"max_frac": 0.3}}),
+        "reject_limits.merge",
+        "('max_frac' was unexpected) (did you mean 'max_fraction'?)",
+    ),
+    "two unknown keys": (
+        lambda c: c["categories"]["code"].update(shard=2, formatt="glaive"),
+        "categories.code",
+        "(did you mean 'format' for 'formatt', 'shards' for 'shard'?)",
+    ),
+    "tokenizer path typo": (
+        lambda c: c["tokenizer"].update(path="sample/modle"),
+        "tokenizer.path",
+        "'sample/modle' does not exist (relative to '",
+    ),
+    "model path typo": (
+        lambda c: c["generation"].update(model="sample/modle"),
+        "generation.model",
+        "folder 'sample' exists here); did you mean 'sample/model'?",
+    ),
+    "absolute tokenizer path": (
+        lambda c: c["tokenizer"].update(path="/no/such/tokenizer"),
+        "tokenizer.path",
+        "read as a local path because it starts with '/'",
+    ),
+    "tokenizer name without org": (
+        lambda c: c["tokenizer"].update(path="modle"),
+        "tokenizer.path",
+        "it is not a Hugging Face hub id (org/name)",
     ),
     "wrong type": (
         lambda c: c["categories"]["code"].update(shards="four"),
@@ -63,7 +99,7 @@ CASES = {
     "missing tokenizer dir": (
         lambda c: c["tokenizer"].update(path="./no/such/dir"),
         "tokenizer.path",
-        "neither an existing directory",
+        "'./no/such/dir' does not exist",
     ),
     "unknown sampling key": (
         lambda c: c["generation"]["sampling"].update(seed=1),
@@ -147,3 +183,89 @@ def test_bad_config_fails_snakemake_before_any_job(base_config, tmp_path):
     assert proc.returncode != 0
     assert "categories.code.shards" in out, out
     assert not (tmp_path / "results").exists(), "a job ran despite the bad config"
+
+
+def _no_network(monkeypatch):
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("check-config tried the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def test_hub_ids_are_checked_in_the_local_cache_only_when_offline(base_config, monkeypatch,
+                                                                   tmp_path):  # fmt: skip
+    _no_network(monkeypatch)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    config = _broken(base_config, lambda c: c["tokenizer"].update(path="some-org/some-model"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="hub id 'some-org/some-model' is not in the local"):
+        check_config(copy.deepcopy(config), ROOT)
+    (tmp_path / "models--some-org--some-model" / "snapshots").mkdir(parents=True)
+    check_config(copy.deepcopy(config), ROOT)  # cached: fine
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    (tmp_path / "models--some-org--some-model" / "snapshots").rmdir()
+    check_config(copy.deepcopy(config), ROOT)  # online: the hub is tokenize's business
+
+
+def test_tokenizer_typo_fails_snakemake_before_any_job(base_config, tmp_path):
+    bad = _broken(base_config, lambda c: c["tokenizer"].update(path="sample/modle"))
+    bad["results_dir"] = str(tmp_path / "results")
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml.safe_dump(bad))
+    proc = subprocess.run(
+        [SNAKEMAKE, "--cores", "1", "--configfile", str(cfg)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "0"},
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "config key 'tokenizer.path': 'sample/modle' does not exist" in out, out
+    assert "did you mean 'sample/model'?" in out, out
+    assert not (tmp_path / "results").exists(), "a job ran despite the bad config"
+
+
+def test_slurm_tools_problem_is_one_sentence():
+    from types import SimpleNamespace
+
+    from tokenmill.workflow_support import slurm_tools_problem
+
+    slurm = SimpleNamespace(executor_plugin=SimpleNamespace(name="slurm", cli_prefix="slurm"))
+    local = SimpleNamespace(executor_plugin=SimpleNamespace(name="local", cli_prefix="local"))
+    assert slurm_tools_problem(local, which=lambda t: None) is None
+    assert slurm_tools_problem(slurm, which=lambda t: f"/usr/bin/{t}") is None
+    only_squeue = slurm_tools_problem(slurm, which=lambda t: "/x" if t != "sacct" else None)
+    assert only_squeue is None  # the plugin follows jobs with squeue when sacct is missing
+    none = slurm_tools_problem(slurm, which=lambda t: None)
+    assert "sbatch and sacct (or squeue) are not on PATH" in none and "\n" not in none
+
+
+@pytest.mark.e2e
+def test_slurm_executor_without_slurm_commands_fails_in_one_sentence(tmp_path):
+    """No SLURM command is reachable (PATH holds the venv and a few shell tools only), so
+    nothing can be submitted: the run stops before any job with one sentence."""
+    import shutil
+
+    from helpers import copy_workflow
+
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name in ("bash", "sh", "env", "which"):
+        (tools / name).symlink_to(shutil.which(name))
+    workdir = copy_workflow(tmp_path / "wf")
+    proc = subprocess.run(
+        [SNAKEMAKE, "--executor", "slurm", "--jobs", "1", "--cores", "1",
+         "results/prompts/chat.parquet"],
+        cwd=workdir, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PATH": f"{tools}{os.pathsep}{Path(SNAKEMAKE).parent}"},
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "the slurm executor (--profile slurm, or --executor slurm) needs SLURM's commands" in out
+    assert "Traceback" not in out, out[-3000:]
+    assert not (workdir / "results").exists(), "a job ran"

@@ -1,8 +1,8 @@
 """The direction of imports inside the package (DESIGN.md, "Owners"): shared modules at the
 bottom, stages in the middle, the command line and the Snakefile's helpers on top.
 
-- a shared module (contracts, keys, launch_flags, settings, model, redaction) imports no stage
-  and nothing above it;
+- a shared module (contracts, guards, keys, launch_flags, settings, model, redaction) imports no
+  stage and nothing above it;
 - a stage imports no top module and no other module's private (underscore) names;
 - nothing but the entry point imports `tokenmill.cli`;
 - no two modules import each other, directly or through others (function-level imports count).
@@ -21,9 +21,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "workflow" / "tokenmill"
 
-SHARED = {"contracts", "keys", "launch_flags", "settings", "model", "redaction"}
+SHARED = {"contracts", "guards", "keys", "launch_flags", "settings", "model", "redaction"}
 STAGES = {"prepare", "tokenization", "generate", "dataset", "provenance"}
-TOP = {"cli", "config", "workflow_support", "__main__"}
+TOP = {"cli", "config", "run_summary", "workflow_support", "__main__"}
 TOOLING = {"testing"}  # demo and test tooling: may use anything, nothing in production uses it
 
 

@@ -227,6 +227,10 @@ def test_each_turn_prompt_is_the_template_of_the_models_own_answers(run, request
     assert r["tok"].column("prefix_exact").to_pylist() == [False] * len(CONVERSATIONS)
     turns = check_turn_prompts(r, pipe.tok_cfg, pipe.think_end)
     assert sum(len(v) for v in turns.values()) > len(CONVERSATIONS)  # later turns were generated
+    # The tokenizer the later turns need is loaded in the start-up (inside replay_s), before
+    # the first request: the generation window, and the tok/s of the statistics, exclude it.
+    timing = r["meta"]["timing"]
+    assert 0 < timing["tokenizer_s"] <= timing["replay_s"] <= timing["startup_s"], timing
     # one sample per turn that ended with a stop id (merge drops truncated ones)
     stopped = r["gen"].column("finish_type").to_pylist().count("stop")
     assert r["dataset"].num_rows == stopped

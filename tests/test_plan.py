@@ -6,6 +6,7 @@ the finished pipeline (nothing left to send; the mean output length = the genera
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -93,6 +94,13 @@ def test_before_generation_every_prompt_is_still_to_send(tokenized):
     assert "category" in text and "GPU h" in text and "total" in text, text
     t = by_category(plan(tokenized, "--throughput", "100", "--json"))["code"]
     assert t["job_hours"] == round(t["expected_output_tokens"] / 100 / 3600, 3)
+    # gpus: 0 (the demo's CPU engine): GPU-hours are unknown, not 0; a small --throughput is
+    # echoed as given
+    assert t["gpus_per_job"] == 0 and t["gpu_hours"] is None
+    text = plan(tokenized, "--throughput", "0.05")
+    assert "throughput: 0.05 output tok/s per generate job (--throughput)" in text, text
+    total = next(line for line in text.splitlines() if line.startswith("total"))
+    assert "unknown" in total and " 0.0 " not in total, text
 
 
 def test_pilot_journals_its_samples_and_measures_them(tokenized, tmp_path):
@@ -116,7 +124,11 @@ def test_pilot_journals_its_samples_and_measures_them(tokenized, tmp_path):
             assert r["to_send"] == before[cat]["to_send"] - 3, r
         else:  # three first turns sent; a conversation they ended drops its later turns
             assert r["to_send"] <= before[cat]["to_send"] - 3, r
-        assert r["gpu_hours"] is not None
+        assert r["job_hours"] is not None and r["gpu_hours"] is None  # gpus: 0
+        # the fake answers 1-5 tokens and a stop token: nothing cut at max_new_tokens=32
+        assert (r["truncated"], r["truncated_share"]) == (0, 0.0), r
+        assert 2 <= r["max_new_tokens_for_keep"] <= 6, r
+    assert p["pilot"]["output_tokens"] > 0
     # The next plan reads the pilot's samples from the journal: nothing is paid twice.
     after = by_category(plan(workdir, "--json", config="pilot.yaml"))
     assert {c: (r["journaled"], r["output_source"]) for c, r in after.items()} == {
@@ -158,3 +170,52 @@ def test_bad_arguments_and_config_fail_clearly(tokenized, tmp_path):
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg))
     out = plan(tokenized, config=str(tmp_path / "bad.yaml"), rc=1)
     assert "config key 'generation.resources.gpus'" in out, out
+
+
+def test_one_throughput_and_the_counts_asked_in_the_table(tokenized, tmp_path):
+    """The client's own progress line and the plan's throughput are one measurement; the table
+    says pilot n=2 when 2 were asked."""
+    workdir = tmp_path / "wf"
+    shutil.copytree(tokenized, workdir, symlinks=True)
+    cfg = yaml.safe_load((workdir / "plan.yaml").read_text())
+    cfg["generation"]["launch"]["command"] = [
+        "{python}", fake_sglang.FAKE, "--model-path", "{model}", "--host", "{host}",
+        "--port", "{port}", "--startup-delay", "2", "--latency", "0.2",
+    ]  # fmt: skip
+    (workdir / "pilot.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    out = plan(workdir, "--pilot", "2", config="pilot.yaml")
+    client = re.findall(r"progress \d+/\d+ .*out_tok/s=([\d.]+)", out)
+    table = re.findall(r"throughput: ([\d.]+) output tok/s per generate job \(pilot", out)
+    assert client and table, out
+    # the same tokens over the same requests (the engine's 2 s start-up in neither)
+    assert float(table[0]) == pytest.approx(float(client[-1]), rel=0.1), out
+    assert out.count("throughput:") == 1
+    assert re.search(r"pilot n=2\s", out), out
+
+
+def test_before_any_run_plan_prints_the_one_command_to_run(tmp_path):
+    workdir = copy_workflow(tmp_path / "fresh")
+    out = plan(workdir, config="config.yaml")
+    warnings = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, out
+    assert warnings[0].endswith(
+        "run first (CPU only, no engine): snakemake --profile profiles/local --configfile "
+        "config.yaml --until tokenize_prompts"
+    ), out
+
+
+@pytest.mark.parametrize(
+    ("outputs", "keep", "expected"),
+    [
+        ([], 0.95, (0, None, None)),
+        ([(10, False)] * 19 + [(40, False)], 0.95, (0, 0.0, 10)),
+        ([(10, False)] * 19 + [(40, False)], 1.0, (0, 0.0, 40)),
+        ([(i, False) for i in range(1, 20)] + [(32, True)], 0.95, (1, 0.05, 19)),
+        ([(5, False)] * 18 + [(32, True)] * 2, 0.95, (2, 0.1, None)),  # too many cut: unknown
+    ],
+)
+def test_truncated_share_and_the_max_new_tokens_that_keeps_a_share(outputs, keep, expected):
+    from tokenmill.generate.plan import truncation
+
+    t = truncation(outputs, keep)
+    assert (t["truncated"], t["truncated_share"], t["max_new_tokens_for_keep"]) == expected

@@ -17,7 +17,7 @@ from tokenmill.contracts import PROMPTS, REJECTED, read_metadata
 from tokenmill.prepare import formats
 from tokenmill.prepare import stage as prep
 from tokenmill.prepare.sources import SourceError, iter_source
-from tokenmill.settings import load_section
+from tokenmill.settings import ENV_CONFIG, load_section
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,10 +70,10 @@ PLANTED = {
         "sample/data/code/code_sample.jsonl:28": "unparseable",
     },
     "chat": {
-        "sample/data/chat/chat_sample.json#9": "unknown_role",
-        "sample/data/chat/chat_sample.json#30": "empty_conversation",
+        "sample/data/chat/chat_sample.json#10": "unknown_role",
+        "sample/data/chat/chat_sample.json#31": "empty_conversation",
     },
-    "agent": {"sample/data/agent/agent_sample.parquet#29": "invalid_tool_json"},
+    "agent": {"sample/data/agent/agent_sample.parquet#30": "invalid_tool_json"},
 }
 
 
@@ -145,7 +145,7 @@ def test_turns_first_and_all_counts(tmp_path):
         meta = check_counts(out, rej)
         assert meta["tokenmill.records_in"] == str(n + 1)
         assert meta["tokenmill.source_records"] == "2"
-        assert [r["source"] for r in read(rej)] == ["c.json#1"]
+        assert [r["source"] for r in read(rej)] == ["c.json#2"]
 
 
 def test_duplicates_keep_first_in_source_order(tmp_path):
@@ -211,8 +211,14 @@ def test_max_prompts_is_seeded_and_edit_stable(tmp_path):
     assert {p["prompt_id"] for p in read(out3)} != set(before)
 
 
-def test_all_rejected_still_writes_both_files(tmp_path):
+def test_all_rejected_still_writes_both_files(tmp_path, monkeypatch, capsys):
     write_jsonl(tmp_path / "bad.jsonl", ["nope", "[1, 2]"])
+    # the guard (reject_limits.prepare) fails a category that keeps nothing, leaving no file
+    rc, out, rej = run_cli(tmp_path, {"sources": ["bad.jsonl"], "format": "messages"})
+    assert rc == 1 and not out.exists() and not rej.exists()
+    assert "stage prepare: 2 of 2 rejected (100.0%): nothing kept" in capsys.readouterr().err
+    # with the guard off, both files are written
+    monkeypatch.setenv(ENV_CONFIG, json.dumps({"prepare": {"max_fraction": 1.0}}))
     rc, out, rej = run_cli(tmp_path, {"sources": ["bad.jsonl"], "format": "messages"})
     assert rc == 0
     assert read(out) == []
@@ -313,7 +319,7 @@ def test_source_locations_and_blank_lines(tmp_path):
     write_jsonl(tmp_path / "s.jsonl", [qa(1), "", qa(2)])
     (tmp_path / "s.json").write_text(json.dumps([qa(3), "not an object"]))
     recs = list(iter_source({"path": "s.*"}, tmp_path))
-    assert [r.location for r in recs] == ["s.json#0", "s.json#1", "s.jsonl:1", "s.jsonl:3"]
+    assert [r.location for r in recs] == ["s.json#1", "s.json#2", "s.jsonl:1", "s.jsonl:3"]
     assert recs[1].data is None and recs[1].error
 
 
@@ -323,7 +329,7 @@ def test_parquet_nested_columns(tmp_path):
     pq.write_table(table, tmp_path / "n.parquet")
     rc, out, rej = run_cli(tmp_path, {"sources": ["n.parquet"], "format": "messages"})
     assert rc == 0
-    assert sorted(p["source"] for p in read(out)) == ["n.parquet#0", "n.parquet#1"]
+    assert sorted(p["source"] for p in read(out)) == ["n.parquet#1", "n.parquet#2"]
     assert json.loads(read(out)[0]["messages"])[0].keys() == {"role", "content"}
 
 
@@ -338,7 +344,7 @@ def test_hub_source_location(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
     spec = {"hub": "org/data", "config": "cfg", "split": "test", "revision": "abc"}
     recs = list(iter_source(spec))
-    assert [r.location for r in recs] == ["hub:org/data/cfg:test#0", "hub:org/data/cfg:test#1"]
+    assert [r.location for r in recs] == ["hub:org/data/cfg:test#1", "hub:org/data/cfg:test#2"]
     assert calls == [("org/data", "cfg", "test", "abc")]
     assert recs[1].data["instruction"] == "question 2"
 

@@ -496,3 +496,19 @@ def test_stats_and_card_name_the_key_of_a_partial_config(tmp_path, capsys):
     assert "categories.chat" in capsys.readouterr().err
     assert card.main([*argv, "--out", str(tmp_path / "README.md")]) == 1
     assert "categories.chat" in capsys.readouterr().err
+
+
+def test_card_rounds_its_statistics_and_describes_prompt_id_as_the_readme(tmp_path):
+    r = build_results(tmp_path)
+    summary = _stats(r, CONFIG, tmp_path)
+    summary["categories"]["chat"]["lengths"]["prompt_tokens"]["mean"] = 288.8148
+    summary["categories"]["chat"]["lengths"]["output_tokens"]["p99"] = 224.66
+    summary["overall"]["generation"] = {"output_tokens_per_s": 54.31234, "gpu_hours": 0.123456}
+    text = card.render(r, CONFIG, summary)
+    chat = next(line for line in text.splitlines() if line.startswith("| chat |"))
+    assert "| 288.8 |" in chat and "/ 224.7 |" in chat, chat
+    assert "54.3 output tokens/s, 0.123 GPU-hours" in text
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    card_row = next(line for line in text.splitlines() if line.startswith("| `prompt_id` |"))
+    readme_row = next(line for line in readme.splitlines() if line.startswith("| `prompt_id` |"))
+    assert card_row.split("|")[3].strip() == readme_row.split("|")[3].strip()

@@ -397,6 +397,7 @@ OPERATIONAL = {
     "generation.launch.env": {"OMP_NUM_THREADS": "1"},
     "generation.api_key_env": "TOKENMILL_NO_SUCH_KEY",
     "journal_dir": "elsewhere/journal",
+    "reject_limits": {"prepare": {"max_fraction": 0.9}, "merge": {"min_count": 50}},
 }
 
 

@@ -53,6 +53,10 @@ rule generate_shard:
 
 
 # The controller (slurm executor only; never in jobs or dry runs) requeues its jobs that a
-# PreemptMode=CANCEL preemption cancelled: plugin 2.8.0 would wait for them forever.
+# PreemptMode=CANCEL preemption cancelled: plugin 2.8.0 would wait for them forever. Before
+# that, a machine without SLURM's commands gets one sentence instead of a traceback per job.
 onstart:
+    _slurm_problem = support.slurm_tools_problem(workflow)
+    if _slurm_problem:
+        raise WorkflowError(_slurm_problem)
     preemption.start_for_workflow(workflow)

@@ -9,7 +9,10 @@ starts; errors name the key and what was expected.
 
 from __future__ import annotations
 
+import difflib
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -31,10 +34,64 @@ from tokenmill.settings import (  # noqa: F401 - re-exported for the Snakefile a
     validate_schema,
 )
 
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+")
+LOCAL_PREFIXES = ("/", "./", "../", "~")
 
-def _is_hub_id(path: str) -> bool:
-    # "org/name" with no local counterpart is a hub id; anything else is a local path.
-    return path.count("/") == 1 and not path.startswith((".", "/")) and not Path(path).exists()
+
+def _local_path(path: str, base: Path) -> Path:
+    return Path(path).expanduser() if path.startswith("~") else base / path
+
+
+def _looks_local(path: str, base: Path) -> str | None:
+    """Why `path` (tokenizer.path, generation.model) is meant as a local path, or None when it
+    has the shape of a hub id (org/name) with no local folder above it."""
+    if path.startswith(LOCAL_PREFIXES):
+        return f"it starts with {next(p for p in LOCAL_PREFIXES if path.startswith(p))!r}"
+    if not HUB_ID.fullmatch(path):
+        return "it is not a Hugging Face hub id (org/name)"
+    parent = _local_path(path, base).parent
+    if parent.is_dir():
+        return f"its folder '{Path(path).parent}' exists here"
+    return None
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _in_hub_cache(hub_id: str) -> bool:
+    """Whether the local Hugging Face cache holds a snapshot of `hub_id` (no network)."""
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE
+    except ImportError:
+        return False
+    return (Path(HF_HUB_CACHE) / ("models--" + hub_id.replace("/", "--")) / "snapshots").is_dir()
+
+
+def path_problem(key: str, path: str, base: Path) -> str | None:
+    """What is wrong with a tokenizer or model path, without any hub access: a path that looks
+    local and does not exist (with the closest existing name beside it), or, with
+    HF_HUB_OFFLINE=1, a hub id missing from the local cache."""
+    local = _local_path(path, base)
+    if local.exists():
+        return None
+    why = _looks_local(path, base)
+    if why is None:
+        if _hub_offline() and not _in_hub_cache(path):
+            return (
+                f"config key '{key}': hub id '{path}' is not in the local Hugging Face cache "
+                f"and HF_HUB_OFFLINE is set (download it first: huggingface-cli download {path})"
+            )
+        return None
+    hint = ""
+    if local.parent.is_dir():
+        close = difflib.get_close_matches(local.name, [p.name for p in local.parent.iterdir()], 1)
+        if close:
+            hint = f"; did you mean '{Path(path).parent / close[0]}'?"
+    return (
+        f"config key '{key}': '{path}' does not exist (relative to '{base}'; read as a local "
+        f"path because {why}){hint}"
+    )
 
 
 def check_semantics(config: Settings | dict, basedir: str | Path = ".") -> None:
@@ -43,11 +100,7 @@ def check_semantics(config: Settings | dict, basedir: str | Path = ".") -> None:
     base = Path(basedir)
     problems: list[str] = []
     tok = s.tokenizer
-    if not (base / tok.path).exists() and not _is_hub_id(tok.path):
-        problems.append(
-            f"config key 'tokenizer.path': '{tok.path}' is neither an existing directory "
-            "nor a Hugging Face hub id (org/name)"
-        )
+    problems += filter(None, [path_problem("tokenizer.path", tok.path, base)])
     if tok.chat_template and not (base / tok.chat_template).is_file():
         problems.append(
             f"config key 'tokenizer.chat_template': file '{tok.chat_template}' does not exist"
@@ -94,6 +147,8 @@ def check_semantics(config: Settings | dict, basedir: str | Path = ".") -> None:
     gen = s.generation
     if gen.model is None:
         problems.append("config key 'generation.model': required (the model to serve)")
+    elif gen.managed:  # an external server's model need not be on this machine
+        problems += filter(None, [path_problem("generation.model", gen.model, base)])
     if gen.managed and not gen.launch.command:
         problems.append("config key 'generation.launch.command': required in managed mode")
     if gen.mode == "external" and not gen.external.urls:
@@ -116,7 +171,7 @@ def check_semantics(config: Settings | dict, basedir: str | Path = ".") -> None:
 
 
 # Top-level keys that say where or how to run, not what to produce.
-OPERATIONAL_TOP_KEYS = ("journal_dir",)
+OPERATIONAL_TOP_KEYS = ("journal_dir", "reject_limits")
 
 
 def job_environment(config: Settings | dict, configfiles=()) -> dict[str, str]:

@@ -17,6 +17,7 @@ This module sits below the stages: it imports no stage module.
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import json
 from collections.abc import Mapping
@@ -71,9 +72,26 @@ def load_schema() -> dict:
     return copy.deepcopy(_schema())
 
 
+def _did_you_mean(error: jsonschema.ValidationError) -> str:
+    """' (did you mean 'model'?)' for an additionalProperties error whose unknown keys are
+    close to known ones (difflib); '' otherwise."""
+    known = error.schema.get("properties") if isinstance(error.schema, dict) else None
+    if not known or not isinstance(error.instance, dict):
+        return ""
+    unknown = sorted(k for k in error.instance if k not in known)
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+        if close:
+            hints.append(f"'{close[0]}'" + (f" for '{name}'" if len(unknown) > 1 else ""))
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
 def _describe(error: jsonschema.ValidationError, prefix: tuple = ()) -> str:
     key = _key([*prefix, *error.absolute_path])
-    if error.validator in ("additionalProperties", "required"):
+    if error.validator == "additionalProperties":
+        return f"config key '{key}': {error.message}{_did_you_mean(error)}"
+    if error.validator == "required":
         return f"config key '{key}': {error.message}"
     if error.validator == "oneOf" and error.context:
         best = jsonschema.exceptions.best_match(error.context)
@@ -262,6 +280,16 @@ class RejectLimitSettings(_Section):
 
 
 @dataclass(frozen=True)
+class RejectLimitsSettings(_Section):
+    """The rejection guards of the stages other than generate (tokenmill/guards.py)."""
+
+    raw: dict = field(repr=False, compare=False)
+    prepare: RejectLimitSettings = _nested(RejectLimitSettings)
+    tokenize: RejectLimitSettings = _nested(RejectLimitSettings)
+    merge: RejectLimitSettings = _nested(RejectLimitSettings)
+
+
+@dataclass(frozen=True)
 class LaunchSettings(_Section):
     raw: dict = field(repr=False, compare=False)
     command: tuple[str, ...] | None  # required in managed mode (a semantic check)
@@ -378,6 +406,7 @@ class Settings:
     generation: GenerationSettings
     reproduce: str | None
     dataset: DatasetSettings
+    reject_limits: RejectLimitsSettings
 
     @classmethod
     def from_config(cls, config: Mapping) -> Settings:
@@ -398,6 +427,7 @@ class Settings:
             generation=GenerationSettings.from_raw(raw["generation"]),
             reproduce=raw["reproduce"],
             dataset=DatasetSettings.from_raw(raw["dataset"]),
+            reject_limits=RejectLimitsSettings.from_raw(raw["reject_limits"]),
         )
 
     def resources(self, category: str | None = None) -> ResourceSettings:
@@ -434,6 +464,7 @@ _SECTION_CLASSES = {
     "tokenizer": TokenizerSettings,
     "generation": GenerationSettings,
     "dataset": DatasetSettings,
+    "reject_limits": RejectLimitsSettings,
 }
 
 

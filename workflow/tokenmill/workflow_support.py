@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import shlex
+import shutil
 from pathlib import Path
 
 from tokenmill.contracts import canonical_json, sha256_file
@@ -53,4 +54,24 @@ def stale_lock_hint(argv: list[str], workdir=".") -> str | None:
         "running in this directory, let it finish. If none is (a killed controller leaves its "
         f"lock behind), remove the lock with the same command plus --unlock:\n    {unlock}\n"
         "then start the run again: finished jobs are kept, generate resumes from the journal."
+    )
+
+
+def slurm_tools_problem(workflow, which=shutil.which) -> str | None:
+    """One sentence when the run submits to SLURM (the slurm executor) but this machine lacks
+    the SLURM commands the executor calls (sbatch to submit; sacct, or squeue, to follow jobs);
+    None otherwise. The Snakefile's onstart raises it before any job is submitted, instead of
+    one traceback per job."""
+    plugin = getattr(workflow, "executor_plugin", None)
+    if "slurm" not in (getattr(plugin, "cli_prefix", None), getattr(plugin, "name", None)):
+        return None
+    missing = [] if which("sbatch") else ["sbatch"]
+    if not (which("sacct") or which("squeue")):
+        missing.append("sacct (or squeue)")
+    if not missing:
+        return None
+    return (
+        f"the slurm executor (--profile slurm, or --executor slurm) needs SLURM's commands on "
+        f"this machine, and {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+        "on PATH: run Snakemake on the cluster's login node, or use --profile profiles/local"
     )

@@ -21,7 +21,12 @@ from tokenmill import contracts
 from tokenmill.settings import ConfigError, as_settings, load_section, thaw
 
 COLUMNS = [
-    ("prompt_id", "string", "stable id of the prompt (hash of the source record and turn)"),
+    (
+        "prompt_id",
+        "string",
+        "hash of the prompt's messages and tools (the conversation's in a multi-turn "
+        "category): one id per distinct prompt, whatever its source",
+    ),
     ("category", "string", "dataset category (a config of this dataset)"),
     ("sample_key", "string", "hash of prompt_ids and the generation fingerprint"),
     ("input_ids", "list<int32>", "prompt token ids (chat template applied) + generated ids"),
@@ -134,9 +139,9 @@ def render(results_dir, config: dict, summary: dict | None) -> str:
                 continue
             L = s["lengths"]
             lines.append(
-                f"| {cat} | {L['total_tokens']['count']} | {L['prompt_tokens']['mean']} | "
-                f"{L['output_tokens']['mean']} / {L['output_tokens']['p99']} | "
-                f"{L['total_tokens']['mean']} / {L['total_tokens']['max']} | "
+                f"| {cat} | {L['total_tokens']['count']} | {_known(L['prompt_tokens']['mean'])} | "
+                f"{_known(L['output_tokens']['mean'])} / {_known(L['output_tokens']['p99'])} | "
+                f"{_known(L['total_tokens']['mean'])} / {_known(L['total_tokens']['max'])} | "
                 f"{_known((s.get('reasoning') or {}).get('unterminated'))} |"
             )
         overall = summary.get("overall") or {}
@@ -146,8 +151,8 @@ def render(results_dir, config: dict, summary: dict | None) -> str:
             "Unterminated reasoning: outputs that opened a thinking block and never closed it "
             "(their tokens are reasoning, not answer). Generation: "
             f"{_known(g.get('output_tokens_per_s'))} output tokens/s, "
-            f"{_known(g.get('gpu_hours'))} GPU-hours, prefix-cache hit rate "
-            f"{_known(c.get('hit_rate'))} (unknown: not reported by the engine, or not the "
+            f"{_known(g.get('gpu_hours'), 3)} GPU-hours, prefix-cache hit rate "
+            f"{_known(c.get('hit_rate'), 3)} (unknown: not reported by the engine, or not the "
             "run's own GPUs).",
         ]
     return "\n".join(lines) + "\n"
@@ -193,8 +198,14 @@ def _conversations_section(dataset: Path, categories: list[str], summary: dict |
     return lines
 
 
-def _known(value) -> str:
-    return "unknown" if value is None else str(value)
+def _known(value, digits: int = 1) -> str:
+    """A statistic as the card prints it: "unknown" for None, a float rounded to `digits`
+    decimals (summary.json keeps the full value)."""
+    if value is None:
+        return "unknown"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
 
 
 def _draft_vocab_section(dataset: Path) -> list[str]:

@@ -55,7 +55,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tokenmill import contracts, keys
+from tokenmill import contracts, guards, keys
 from tokenmill.dataset import draft_vocab, validate
 from tokenmill.dataset.validate import REASONS, Rules
 
@@ -669,6 +669,20 @@ def main(argv: list[str]) -> int:
     except ConservationError as exc:
         print(f"tokenmill merge: {exc}", file=sys.stderr)
         return 1
+    outputs = [p for p in (args.out, args.rejected, args.counts_out) if p]
+    status = guards.enforce(
+        outputs,
+        "merge",
+        args.category,
+        res.kept + res.rejected,
+        res.kept,
+        args.rejected,
+        guards.limit_for("merge"),
+        key="reject_limits.merge",
+        shard=args.shard,
+    )
+    if status:
+        return status
     print(
         f"merge {args.category}/{args.shard}: tokenized={res.tokenized} generated={res.generated} "
         f"kept={res.kept} rejected={res.rejected} generate_rejected={res.generate_rejected} "

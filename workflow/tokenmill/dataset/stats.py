@@ -75,7 +75,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tokenmill import contracts
+from tokenmill import contracts, guards
 from tokenmill.dataset import draft_vocab, validate
 from tokenmill.settings import (
     ConfigError,
@@ -866,6 +866,27 @@ def plots(raws: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
+def kept_nothing(summary: dict, limit) -> list[str]:
+    """The guard lines (tokenmill/guards.py) of the categories whose merge kept nothing of
+    the samples it was given; [] when the merge guard is off (max_fraction 1.0)."""
+    if limit.max_fraction >= 1.0:
+        return []
+    lines = []
+    for cat, c in sorted(summary["categories"].items()):
+        merge = (c.get("stages") or {}).get("merge") or {}
+        if merge.get("in") and not merge.get("kept"):
+            reasons = ", ".join(f"{r} {n}" for r, n in sorted(merge.get("reasons", {}).items()))
+            why = (
+                f"{merge.get('rejected', 0)} of {merge['in']} rejected in all its shards: "
+                "nothing kept"
+            )
+            lines.append(
+                guards.message("merge", cat, why, reasons, "reject_limits.merge",
+                               outcome="no statistics were written")
+            )  # fmt: skip
+    return lines
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tokenmill stats")
     parser.add_argument("--results-dir", default="results")
@@ -880,6 +901,12 @@ def main(argv: list[str]) -> int:
         return 1
     # the validated dict (defaults filled); GPU-hours come from the generate metas, not it
     summary, raws = collect(args.results_dir, config.raw, ThinkTokens.of(config, args.basedir))
+    # A category that kept nothing across all its shards (each shard's merge judges only
+    # itself, and a shard of one prompt is too small to judge) fails here, before any file.
+    empty = kept_nothing(summary, guards.limit_for("merge"))
+    if empty:
+        print("\n".join(empty), file=sys.stderr)
+        return 1
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from tokenmill import guards
 from tokenmill.generate.engines import EngineAPI, SGLangAPI
 from tokenmill.generate.engines.base import DUPLICATE_RID
 from tokenmill.settings import GenerationSettings, as_section, load_section
@@ -197,6 +198,8 @@ class ClientOptions:
         return dataclasses.replace(cls.from_config(gen, stop_token_ids, None), **overrides)
 
 
+LIMIT_KEY = "generation.reject_limit"
+
 # One-sided z of the early rejection check: a shard stops before its end only when even the
 # Wilson lower bound of its refusal rate at this z (p ~ 3e-7) is over the limit.
 GUARD_Z = 5.0
@@ -260,17 +263,20 @@ class RejectionGuard:
         if final:
             n = self.ok + self.refused + self.ok_before  # every prompt of the shard answered
             share = self.refused / max(n, 1)
+            # The rule every stage's guard applies (tokenmill/guards.py); the words are
+            # generate's own.
+            kept = self.ok + self.ok_before
+            if guards.over_limit(n, self.refused, kept, self, key=LIMIT_KEY, shard=True) is None:
+                return None
             if self.refused >= self.min_count and share > lim:
                 return (
                     f"{self.refused} of {plural(n, 'prompt')} refused by the engine ({share:.1%} "
                     f"> generation.reject_limit.max_fraction {lim:.1%})"
                 )
-            if self.refused >= 2 and self.ok + self.ok_before == 0:
-                return (
-                    f"{self.refused} of {plural(n, 'prompt')} refused by the engine "
-                    f"({share:.1%}: nothing in the shard was generated)"
-                )
-            return None
+            return (
+                f"{self.refused} of {plural(n, 'prompt')} refused by the engine "
+                f"({share:.1%}: nothing in the shard was generated)"
+            )
         if self.refused < self.min_count:
             return None
         if self.total and self.refused > lim * self.total:

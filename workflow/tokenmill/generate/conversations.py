@@ -92,6 +92,14 @@ class Conversations:
             self._tokenizer = load_tokenizer(self.tok_cfg, self.basedir)
         return self._tokenizer
 
+    def needs_tokenizer(self) -> bool:
+        """Whether a conversation still going will need the tokenizer for its next prompt
+        (one that is not prefix-exact re-renders the messages with the model's answers)."""
+        return any(
+            not row["prefix_exact"] and end is None
+            for row, end in zip(self.rows, self.end, strict=True)
+        )
+
     def _next_prompt(self, c: int) -> list[int]:
         row, done = self.rows[c], self.turns[c]
         k = len(done) - 1
@@ -289,8 +297,14 @@ async def run(
             args.basedir, job.api.prompt_at_fault,
         )  # fmt: skip
         convs.replay(index, sj.search_stale)
-        job.clock["replayed"] = time.monotonic()
         missing = convs.pending()
+        if missing and convs.needs_tokenizer():
+            # Loaded now, in the start-up, not at the first answer that needs it: the
+            # generation window (generation_s, the tok/s of the statistics) is the engine's.
+            t_tok = time.monotonic()
+            convs.tokenizer()
+            job.clock["tokenizer_s"] = time.monotonic() - t_tok
+        job.clock["replayed"] = time.monotonic()
         job.counts.update(
             conversations=len(convs.rows), from_journal=convs.from_journal,
             to_generate_now=len(missing),

@@ -488,7 +488,7 @@ def timing(clock: dict, t_write: float, t_end: float) -> dict:
     first = clock.get("first_request")
     last = clock.get("last_answer", first)
     startup_end = first if first is not None else clock["replayed"]
-    return {
+    t = {
         "startup_s": round(startup_end - clock["t0"], 3),
         "generation_s": round(last - first, 3) if first is not None else 0.0,
         "write_s": round(t_end - t_write, 3),
@@ -497,6 +497,9 @@ def timing(clock: dict, t_write: float, t_end: float) -> dict:
         "replay_s": round(clock["replayed"] - clock["run"], 3),
         "engine_start_s": round(clock["engine_start_s"], 3) if "engine_start_s" in clock else None,
     }
+    if "tokenizer_s" in clock:  # a conversation shard's tokenizer, loaded in the start-up
+        t["tokenizer_s"] = round(clock["tokenizer_s"], 3)
+    return t
 
 
 def finish_timing(job: Job, t_write: float) -> dict:

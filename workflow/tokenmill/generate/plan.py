@@ -27,6 +27,12 @@ When the generation fingerprint changed since a shard's last generate job (the
 `generation-{shard}.json` beside its journal), a warning names the config keys that changed and
 how many journaled samples of the shard no longer match (column `invalidated` of --json).
 
+Truncation (`cut`, `max_new@keep`): of the outputs the length comes from (pilot or journal), the
+share that ended at max_new_tokens (finish "length"; merge drops them), and the max_new_tokens
+under which `--keep` (0.95) of them would have finished; unknown (`>max_new_tokens`, and a
+warning) when more than 1 - keep were cut, since a cut output's true length is unknown.
+GPU-hours of a category on `gpus: 0` (a CPU engine) are "unknown" (null in --json), not 0.
+
 Run it before submitting (the tokenize stage must have run: `snakemake --until
 tokenize_prompts ...`); a dry run cannot show it, because the generate jobs are behind the
 tokenize checkpoint. `--pilot` starts the engine where it runs: in managed mode run it inside a
@@ -159,21 +165,51 @@ class CategoryPlan:
         return {name: self.turns_left.get(name, len(v)) for name, v in self.to_send().items()}
 
     def output_lengths(self) -> list[int]:
+        return [length for length, _ in self.outputs()]
+
+    def outputs(self) -> list[tuple[int, bool]]:
+        """(output length, cut at max_new_tokens) of the journaled answers."""
         return [
-            len(r.get("output_ids") or []) for r in self.records.values() if r.get("status") == "ok"
+            (len(r.get("output_ids") or []), r.get("finish_type") == "length")
+            for r in self.records.values()
+            if r.get("status") == "ok"
         ]
 
 
-def _row(cp: CategoryPlan, config: dict, throughput: float | None, pilot: dict | None) -> dict:
+def truncation(outputs: list[tuple[int, bool]], keep: float) -> dict:
+    """The share of outputs cut at max_new_tokens, and the max_new_tokens under which a share
+    `keep` of them would have finished (an output of L tokens, its stop token included, needs
+    max_new_tokens >= L). A cut output's true length is unknown (at least max_new_tokens), so
+    the answer is None when more than 1 - keep were cut: raise max_new_tokens and pilot again."""
+    n = len(outputs)
+    cut = sum(1 for _, c in outputs if c)
+    need = None
+    if n and cut <= (1 - keep) * n:
+        lengths = sorted(length for length, c in outputs if not c)
+        rank = max(math.ceil(keep * n), 1)  # the rank-th shortest output must finish
+        need = lengths[rank - 1] if rank <= len(lengths) else None
+    return {
+        "truncated": cut,
+        "truncated_share": round(cut / n, 4) if n else None,
+        "max_new_tokens_for_keep": need,
+    }
+
+
+def _row(
+    cp: CategoryPlan, config: dict, throughput: float | None, pilot: dict | None, keep: float
+) -> dict:
     gen = cp.settings.generation
     todo = cp.requests_left()
     n_send = sum(todo.values())
-    lengths = (pilot or {}).get("lengths") or []
-    if lengths:
-        source = f"pilot n={len(lengths)}"
+    outputs = (pilot or {}).get("outputs") or []
+    if outputs:
+        source = f"pilot n={len(outputs)}"
+        if pilot["refused"]:  # asked for more; the engine refused some
+            source += f" of {pilot['asked']} ({pilot['refused']} refused)"
     else:
-        lengths = cp.output_lengths()
-        source = f"journal n={len(lengths)}" if lengths else "max_new_tokens (upper bound)"
+        outputs = cp.outputs()
+        source = f"journal n={len(outputs)}" if outputs else "max_new_tokens (upper bound)"
+    lengths = [length for length, _ in outputs]
     mean_out = sum(lengths) / len(lengths) if lengths else float(gen.sampling["max_new_tokens"])
     res = category_resources(config, cp.category)
     row = {
@@ -194,41 +230,77 @@ def _row(cp: CategoryPlan, config: dict, throughput: float | None, pilot: dict |
         "job_hours": None,
         "gpu_hours": None,
         "largest_shard_min": None,
+        **truncation(outputs, keep),
     }
+    if pilot and pilot.get("asked") is not None:
+        row["pilot_asked"], row["pilot_refused"] = pilot["asked"], pilot["refused"]
     if throughput:
         row["job_hours"] = round(row["expected_output_tokens"] / throughput / 3600, 3)
-        row["gpu_hours"] = round(row["job_hours"] * row["gpus_per_job"], 3)
+        # gpus: 0 (a CPU engine) has no GPU-hours: unknown, not 0
+        if row["gpus_per_job"]:
+            row["gpu_hours"] = round(row["job_hours"] * row["gpus_per_job"], 3)
         biggest = max(todo.values(), default=0)
         row["largest_shard_min"] = round(biggest * mean_out / throughput / 60, 1)
     return row
 
 
-def make_plan(config: dict, basedir: Path, throughput: float | None, pilot_n: int = 0) -> dict:
+DEFAULT_KEEP = 0.95  # --keep
+
+
+def tokenize_command(configfile: str = "config.yaml") -> str:
+    """The one command that makes the tokenized shards plan reads (CPU only, no engine)."""
+    return f"snakemake --profile profiles/local --configfile {configfile} --until tokenize_prompts"
+
+
+def make_plan(
+    config: dict,
+    basedir: Path,
+    throughput: float | None,
+    pilot_n: int = 0,
+    keep: float = DEFAULT_KEEP,
+    configfile: str = "config.yaml",
+) -> dict:
     settings = Settings.from_config(config)  # validated: a partial config fails naming the key
     plans = {c: CategoryPlan(config, c, basedir, settings) for c in sorted(settings.categories)}
     pilot = run_pilot(settings, basedir, plans, pilot_n) if pilot_n else None
     measured = (pilot or {}).get("throughput")
     used = throughput or measured
-    rows = [_row(p, config, used, (pilot or {}).get(c)) for c, p in plans.items()]
+    rows = [_row(p, config, used, (pilot or {}).get(c), keep) for c, p in plans.items()]
     warnings = []
     for p in plans.values():
         warnings += [job.change_message(c) for c in p.fingerprint_changes]
+    untokenized = [r for r in rows if r["shards_tokenized"] < r["shards"]]
+    if untokenized:
+        which = ", ".join(
+            f"{r['category']} {r['shards_tokenized']}/{r['shards']}" for r in untokenized
+        )
+        warnings.append(
+            f"shards not tokenized yet ({which}): the numbers count only what is; run first "
+            f"(CPU only, no engine): {tokenize_command(configfile)}"
+        )
     for r in rows:
-        if r["shards_tokenized"] < r["shards"]:
-            warnings.append(
-                f"{r['category']}: {r['shards_tokenized']} of {r['shards']} shards tokenized; "
-                "run `snakemake --until tokenize_prompts` first for the full numbers"
-            )
         if r["largest_shard_min"] and r["largest_shard_min"] > r["runtime_min"]:
             warnings.append(
                 f"{r['category']}: the largest shard needs ~{r['largest_shard_min']:.0f} min of "
                 f"generation at {used:.0f} tok/s, more than runtime_min={r['runtime_min']}: "
                 "more shards, or a longer runtime for this category (categories.X.resources)"
             )
+        if r["truncated"] and r["max_new_tokens_for_keep"] is None:
+            warnings.append(
+                f"{r['category']}: {r['truncated_share']:.1%} of the outputs measured "
+                f"({r['output_source']}) were cut at max_new_tokens="
+                f"{settings.generation.sampling['max_new_tokens']} and merge drops them: raise "
+                f"it (and pilot again) to keep {keep:.0%}"
+            )
     return {
         "throughput_tok_s": used,
         "throughput_source": "--throughput" if throughput else ("pilot" if measured else None),
-        "pilot": {k: v for k, v in (pilot or {}).items() if k in ("requests", "wall_s")} or None,
+        "pilot": {
+            k: v for k, v in (pilot or {}).items() if k in ("requests", "wall_s", "output_tokens")
+        }
+        or None,
+        "keep": keep,
+        "max_new_tokens": settings.generation.sampling["max_new_tokens"],
         "categories": rows,
         "warnings": warnings,
     }
@@ -245,6 +317,8 @@ COLUMNS = [
     ("expected_output_tokens", "exp. out tok"),
     ("job_hours", "job h"),
     ("gpu_hours", "GPU h"),
+    ("truncated_share", "cut"),
+    ("max_new_tokens_for_keep", "max_new@keep"),
 ]
 
 
@@ -260,13 +334,22 @@ def format_table(plan: dict) -> str:
     for key in ("job_hours", "gpu_hours"):
         vals = [r[key] for r in rows]
         total[key] = round(sum(vals), 3) if all(v is not None for v in vals) else None
+    if any(r["job_hours"] is not None and r["gpu_hours"] is None for r in rows):
+        total["gpu_hours"] = None  # unknown for a category on gpus: 0
     total["mean_output_tokens"] = ""
+    total["truncated_share"] = total["max_new_tokens_for_keep"] = None
     total["to_send_upper_bound"] = any(r["to_send_upper_bound"] for r in rows)
 
     def cell(r, key):
         v = r.get(key)
         if key == "shards" and "shards_tokenized" in r and r["shards_tokenized"] != r["shards"]:
             return f"{r['shards_tokenized']}/{r['shards']}"
+        if key == "gpu_hours" and v is None and r.get("job_hours") is not None:
+            return "unknown"  # gpus: 0
+        if key == "truncated_share":
+            return "-" if v is None else f"{v:.1%}"
+        if key == "max_new_tokens_for_keep" and v is None and r.get("truncated"):
+            return f">{plan['max_new_tokens']}"
         if v is not None and key in UPPER_BOUNDED and r["to_send_upper_bound"]:
             return f"<={v}"  # conversations may end before their last turn
         return "-" if v is None else str(v)
@@ -283,13 +366,28 @@ def format_table(plan: dict) -> str:
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     tput = plan["throughput_tok_s"]
+    if not tput:
+        lines.append("throughput: not given (--throughput TOK_S, or --pilot N): no hours")
+    elif plan["throughput_source"] == "--throughput":
+        lines.append(f"throughput: {tput:g} output tok/s per generate job (--throughput)")
+    else:
+        pilot = plan["pilot"] or {}
+        lines.append(
+            f"throughput: {_tok_s(tput)} output tok/s per generate job (pilot: "
+            f"{pilot.get('output_tokens')} output tokens of {pilot.get('requests')} requests in "
+            f"{pilot.get('wall_s')} s, engine start-up excluded)"
+        )
     lines.append(
-        f"throughput: {tput:.1f} output tok/s per generate job ({plan['throughput_source']})"
-        if tput
-        else "throughput: not given (--throughput TOK_S, or --pilot N): no hours"
+        f"cut: outputs that ended at max_new_tokens={plan['max_new_tokens']} (merge drops "
+        f"them); max_new@keep: the max_new_tokens under which {plan['keep']:.0%} of them "
+        "would have finished (--keep)"
     )
     lines += [f"warning: {w}" for w in plan["warnings"]]
     return "\n".join(lines)
+
+
+def _tok_s(v: float) -> str:
+    return f"{v:.1f}" if v >= 1 else f"{v:.3g}"
 
 
 # ---------------------------------------------------------------------------------- pilot
@@ -329,7 +427,8 @@ async def _pilot(settings: Settings, basedir: Path, plans: dict, n: int) -> dict
     )
     where = {it.key: (cat, name) for cat, name, it in chosen}
     writers: dict = {}
-    lengths: dict[str, list[int]] = {cat: [] for cat in plans}
+    outputs: dict[str, list[tuple[int, bool]]] = {cat: [] for cat in plans}
+    refused: dict[str, int] = dict.fromkeys(plans, 0)
 
     def on_record(rec: dict) -> None:
         cat, name = where[rec["key"]]
@@ -337,14 +436,19 @@ async def _pilot(settings: Settings, basedir: Path, plans: dict, n: int) -> dict
             writers[cat, name] = journal.JournalWriter(plans[cat].journal_dir, cat, name)
         writers[cat, name].append(rec)
         if rec.get("status") == "ok":
-            lengths[cat].append(len(rec.get("output_ids") or []))
+            cut = rec.get("finish_type") == "length"
+            outputs[cat].append((len(rec.get("output_ids") or []), cut))
+        else:
+            refused[cat] += 1
 
-    stats = Stats()
     try:
         await engine.start()
         urls = [engine.url] if managed else engine.urls
+        # Started after the engine: the client's own tok/s line and the plan's throughput are
+        # the same measurement (output tokens over the requests' wall time).
+        stats = Stats()
         client = Client(urls, opts, on_record, engine.alive if managed else None, stats, api=api)
-        t0 = time.monotonic()
+        t0 = stats.started
         await client.run([it for _, _, it in chosen])
         wall = time.monotonic() - t0
     finally:
@@ -353,10 +457,15 @@ async def _pilot(settings: Settings, basedir: Path, plans: dict, n: int) -> dict
         engine.stop()
     for cp in plans.values():
         cp.refresh()
-    out: dict = {cat: {"lengths": v} for cat, v in lengths.items()}
+    asked = {cat: sum(1 for c, _, _ in chosen if c == cat) for cat in plans}
+    out: dict = {
+        cat: {"outputs": v, "asked": asked[cat], "refused": refused[cat]}
+        for cat, v in outputs.items()
+    }
     out.update(
         requests=len(chosen),
         wall_s=round(wall, 3),
+        output_tokens=stats.output_tokens,
         throughput=stats.output_tokens / wall if wall > 0 and stats.output_tokens else None,
     )
     return out
@@ -370,8 +479,16 @@ def main(argv: list[str]) -> int:
         "--throughput", type=float, help="output tokens per second of one generate job's engine"
     )
     p.add_argument("--pilot", type=int, default=0, metavar="N", help="pilot N prompts/category")
+    p.add_argument(
+        "--keep",
+        type=float,
+        default=DEFAULT_KEEP,
+        help="share of outputs that must finish under max_new_tokens (the max_new@keep column)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     a = p.parse_args(argv)
+    if not 0 < a.keep <= 1:
+        p.error("--keep must be in (0, 1]")
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(levelname)s %(message)s")
     logging.getLogger("aiohttp").setLevel(logging.WARNING)
     if a.throughput is not None and not (a.throughput > 0 and math.isfinite(a.throughput)):
@@ -386,7 +503,7 @@ def main(argv: list[str]) -> int:
     from tokenmill.generate.launch import EngineError
 
     try:
-        plan = make_plan(config, basedir, a.throughput, a.pilot)
+        plan = make_plan(config, basedir, a.throughput, a.pilot, a.keep, a.configfile)
     except (EngineError, GenerationFailed, ValueError, OSError) as exc:
         print(f"tokenmill plan: {exc}", file=sys.stderr)
         return 1

@@ -2,12 +2,13 @@
 
 A source is a local file or glob (.jsonl/.ndjson, .json, .parquet) or a Hugging Face hub
 dataset. Globs are expanded and sorted by path, so the record order (and therefore which of
-two duplicates is kept) does not depend on the filesystem. Locations are:
+two duplicates is kept) does not depend on the filesystem. Locations count from 1, as an
+editor does: `:` a line number, `#` a record number.
 
-    path:LINE                 JSONL (1-based line number)
-    path#INDEX                JSON (0-based index in the list)
-    path#ROW                  Parquet (0-based row)
-    hub:name[/config]:split#ROW
+    path:LINE                 JSONL (line number, 1 = the first line; blank lines count)
+    path#N                    JSON (the N-th element of the list, 1 = the first)
+    path#N                    Parquet (the N-th row, 1 = the first)
+    hub:name[/config]:split#N the N-th row of the split, 1 = the first
 
 Paths in locations are relative to the base directory (as written in the config), so
 outputs do not depend on where the checkout lives. A record that cannot be parsed is still
@@ -100,7 +101,7 @@ def iter_json(shown: str, path: Path) -> Iterator[Record]:
     if not isinstance(doc, list):
         raise SourceError(f"'{shown}': expected a JSON list of records or {{\"data\": [...]}}")
     for i, value in enumerate(doc):
-        loc = f"{shown}#{i}"
+        loc = f"{shown}#{i + 1}"
         if not isinstance(value, dict):
             yield Record(loc, _raw_json(value), None, f"record is a {type(value).__name__}")
             continue
@@ -119,10 +120,10 @@ def iter_parquet(shown: str, path: Path) -> Iterator[Record]:
     try:
         for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS):
             for value in batch.to_pylist():
-                yield Record(f"{shown}#{row}", _raw_json(value), value)
+                yield Record(f"{shown}#{row + 1}", _raw_json(value), value)
                 row += 1
     except (OSError, pa.ArrowException) as exc:
-        raise SourceError(f"cannot read '{shown}' as Parquet (row {row}): {exc}") from exc
+        raise SourceError(f"cannot read '{shown}' as Parquet (row {row + 1}): {exc}") from exc
     finally:
         pf.close()
 
@@ -138,7 +139,7 @@ def iter_hub(spec: dict) -> Iterator[Record]:
     except Exception as exc:  # noqa: BLE001 - any loader failure is an unreadable source
         raise SourceError(f"cannot load hub dataset '{where}': {exc}") from exc
     for i, value in enumerate(ds):
-        yield Record(f"{where}#{i}", _raw_json(value), dict(value))
+        yield Record(f"{where}#{i + 1}", _raw_json(value), dict(value))
 
 
 def iter_file(shown: str, path: Path) -> Iterator[Record]:

@@ -41,6 +41,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from tokenmill import guards
 from tokenmill.contracts import (
     META_CATEGORY,
     META_CONTEXT,
@@ -55,7 +56,7 @@ from tokenmill.contracts import (
 )
 from tokenmill.prepare import formats
 from tokenmill.prepare.hooks import load_hook
-from tokenmill.prepare.sources import SourceError, iter_source
+from tokenmill.prepare.sources import SourceError, expand_paths, iter_source
 from tokenmill.settings import CategorySettings, ConfigError, as_section, load_section, thaw
 
 STAGE = "prepare"
@@ -388,6 +389,19 @@ def _metadata(category: str, counts: dict) -> dict:
     }
 
 
+def _empty_sources(cat: CategorySettings, basedir) -> str:
+    """'PATH is empty (0 bytes), ...' for the category's local source files that are empty."""
+    empty = []
+    for spec in cat.source_specs():
+        if "path" in spec:
+            try:
+                files = expand_paths(spec["path"], Path(basedir))
+            except SourceError:
+                continue
+            empty += [shown for shown, real in files if real.stat().st_size == 0]
+    return ", ".join(f"{f} is empty (0 bytes)" for f in empty)
+
+
 def _load_category_config(category: str, value: str) -> CategorySettings:
     """--category-config: the category's section (or the whole config), validated."""
     try:
@@ -414,6 +428,22 @@ def main(argv: list[str]) -> int:
     except (PrepareError, OSError, json.JSONDecodeError) as exc:
         print(f"tokenmill prepare [{args.category}]: error: {exc}", file=sys.stderr)
         return 1
+    status = guards.enforce(
+        [args.out, args.rejected],
+        STAGE,
+        args.category,
+        counts["records_in"],
+        counts["kept"],
+        args.rejected,
+        guards.limit_for(STAGE),
+        key=f"reject_limits.{STAGE}",
+        # the pipeline's own choices, not faults of the data: a prompt seen before, one not
+        # among the sampled max_prompts
+        exempt=(formats.DUPLICATE_PROMPT, formats.OVER_MAX_PROMPTS),
+        empty_detail=_empty_sources(cat, args.basedir),
+    )
+    if status:
+        return status
     reasons = Counter(pq.read_table(args.rejected, columns=["reason"]).column(0).to_pylist())
     summary = ", ".join(f"{k}={v}" for k, v in sorted(reasons.items())) or "none"
     print(

@@ -63,7 +63,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tokenmill import contracts
+from tokenmill import contracts, guards
 from tokenmill.contracts import (  # the shard metadata keys (generate/stage.py reads them here)
     META_MAX_PROMPT_TOKENS,
     META_NUM_SHARDS,
@@ -846,6 +846,18 @@ def main(argv: list[str]) -> int:
         print(f"tokenmill tokenize: error: {exc}", file=sys.stderr)
         return 1
     s = summary
+    status = guards.enforce(
+        [args.out_dir, args.rejected],
+        STAGE,
+        args.category,
+        s.records_in,
+        s.kept,
+        args.rejected,
+        guards.limit_for(STAGE),
+        key=f"reject_limits.{STAGE}",
+    )
+    if status:
+        return status
     rate = s.records_in / s.seconds if s.seconds else 0.0
     print(
         f"tokenize {s.category}: {s.records_in} prompts in, {s.kept} kept, {s.rejected} rejected "
