@@ -70,3 +70,11 @@ def demo_workdir(tmp_path_factory) -> Path:
             assert proc.returncode == 0, failed(proc)
             done.touch()
     return workdir
+
+
+def pytest_collection_modifyitems(items):
+    """A test that reads the demo run may wait for it: the run (or another xdist worker making
+    it) counts against the test's own timeout, so those tests get twice the default."""
+    for item in items:
+        if "demo_workdir" in item.fixturenames and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(1200))

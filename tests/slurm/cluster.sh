@@ -299,13 +299,18 @@ start_munge() {
     chmod 400 /etc/munge/munge.key
   fi
   mkdir -p /run/munge && chown munge:munge /run/munge && chmod 755 /run/munge
+  # One munged serves both clusters: when both start at once, one starts it, the other reuses.
+  exec 8>/run/munge/tokenmill-start.lock
+  flock 8
   if timeout 5 sh -c 'munge -n </dev/null | unmunge' >/dev/null 2>&1; then
     log "munged already running: reusing it (and leaving it running at stop)"
+    exec 8>&-
     return 0
   fi
   runuser -u munge -- /usr/sbin/munged --pid-file=/run/munge/munged.pid
   wait_for 10 sh -c 'munge -n </dev/null | unmunge' || die "munged did not come up"
   cp /run/munge/munged.pid "$RUN/munged.pid" # only what we started is stopped
+  exec 8>&-
 }
 
 start_mariadb() {
@@ -468,7 +473,14 @@ do_stop() {
     done
   fi
   local d
-  for d in slurmd slurmd.n1 slurmd.n2 slurmctld slurmdbd mariadbd munged; do stop_pidfile "$d"; done
+  for d in slurmd slurmd.n1 slurmd.n2 slurmctld slurmdbd mariadbd; do stop_pidfile "$d"; done
+  # munged is shared: the other cluster (single-node or two-node) may still be using it.
+  if pgrep -x slurmctld >/dev/null; then
+    [ -s "$RUN/munged.pid" ] && log "munged left running: another cluster still uses it"
+    rm -f "$RUN/munged.pid"
+  else
+    stop_pidfile munged
+  fi
   log "stopped"
 }
 
