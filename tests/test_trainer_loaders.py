@@ -126,7 +126,10 @@ def data(tmp_path_factory):
 
 
 def ours(folder: Path):
-    return np.load(folder / "d2t.npy"), np.load(folder / "t2d.npy")
+    """Our d2t-N.npy / t2d-N.npy (the names speculators' train finds in its data folder)."""
+    (d2t,) = folder.glob("d2t-*.npy")
+    (t2d,) = folder.glob("t2d-*.npy")
+    return np.load(d2t), np.load(t2d)
 
 
 def kept(rows, max_length):
@@ -246,6 +249,70 @@ def test_specforge_tie_break_is_first_seen(tmp_path):
         sp,
     )
     assert np.flatnonzero(np.load(sp / f"t2d-{LONG}-2.npy")).tolist() == [3, 7]
+
+
+def test_speculators_prepare_data_with_a_training_length_equals_ours(tmp_path):
+    """issue 21: with a training length shorter than the rows, our mapping (counts cut to that
+    length as dataset.max_train_length does, nothing forced: the default) equals speculators'
+    own build_vocab_mappings_from_distribution on the token frequencies of its own
+    prepare-data function (load_and_preprocess_dataset, --seq-length L), at every N tried.
+    Ids stay below the sample model's 720 (prepare-data decodes a row with its tokenizer)."""
+    rng = np.random.default_rng(21)
+    rows = []
+    for _ in range(120):
+        n = int(rng.integers(10, 70))
+        p = int(rng.integers(1, 12))
+        ids = np.minimum(rng.zipf(1.2, n) - 1, 699).astype(np.int32)
+        rows.append((ids.tolist(), [0] * p + [1] * (n - p)))
+    shard = tmp_path / "dataset" / "chat" / "00000.parquet"
+    write_shard(shard, rows)
+    export = tmp_path / "export.jsonl"
+    export_jsonl(shard, export)
+    lengths = [12, 20]
+    assert sum(len(r) > max(lengths) for r, _ in rows) > 60  # the cut does cut
+    sizes = [1, 5, 16, 32, 48, 64, 300]  # 300: more places than ids seen
+    mine = {}
+    for length in lengths:
+        counts, rows_n = dv.count_dataset(shard, TOKENIZER_LEN, max_length=length)
+        counts_dir = tmp_path / f"counts-{length}"
+        dv.write_counts(counts_dir / "chat" / "00000.parquet", counts, rows_n, max_length=length)
+        for n in sizes:
+            mine[length, n] = build(tmp_path / f"map-{length}-{n}", counts_dir, n)
+        whole, _ = dv.count_dataset(shard, TOKENIZER_LEN)
+        assert counts.sum() < whole.sum()
+    out = tmp_path / "out"
+    out.mkdir()
+    run_checker(
+        "speculators",
+        {
+            "export": str(export),
+            "out": str(out),
+            "max_lengths": lengths,
+            "draft_sizes": sizes,
+            "target_vocab_size": TARGET_VOCAB,
+            "mappings": [str(mine[lengths[0], 16])],
+            "model": str(REPO / "sample" / "model"),
+        },
+        out,
+    )
+    for length in lengths:
+        counts = dv.read_counts(tmp_path / f"counts-{length}" / "chat" / "00000.parquet")
+        freq = json.loads((out / f"prepared-counts-{length}.json").read_text())
+        assert freq == {str(i): int(counts[i]) for i in np.flatnonzero(counts)}
+        for n in sizes:
+            d2t, t2d = ours(mine[length, n])
+            their_d2t = np.load(out / f"prepared-d2t-{length}-{n}.npy")
+            their_t2d = np.load(out / f"prepared-t2d-{length}-{n}.npy")
+            np.testing.assert_array_equal(their_d2t, d2t, err_msg=f"L={length} N={n}")
+            np.testing.assert_array_equal(their_t2d, t2d, err_msg=f"L={length} N={n}")
+    # ... and whole-row counts would have given another mapping at some N (what the key fixes)
+    whole, _ = dv.count_dataset(shard, TOKENIZER_LEN)
+    differs = [
+        n
+        for n in sizes
+        if not np.array_equal(dv.build_mapping(whole, n, (), TARGET_VOCAB)[1], ours(mine[12, n])[1])
+    ]
+    assert differs
 
 
 # --- the pipeline's own output -----------------------------------------------------------------
