@@ -23,6 +23,7 @@ import pytest
 
 from tokenmill.dataset import draft_vocab as dv
 from tokenmill.dataset.export import export_jsonl
+from tokenmill.dataset.export import main as export_main
 
 pytestmark = [pytest.mark.trainers, pytest.mark.slow]
 
@@ -362,9 +363,9 @@ def test_speculators_on_the_pipeline_output(demo_run, tmp_path):
     counts = demo_run["counts"]
     freq = json.loads((tmp_path / f"counts-{LONG}.json").read_text())
     assert freq == {str(i): int(counts[i]) for i in np.flatnonzero(counts)}
-    # Its builder gives our d2t/t2d: our always-included stop id is among its top ids anyway.
+    # Its builder gives our d2t/t2d (nothing forced by default, as in speculators).
     d2t, t2d = ours(demo_run["mapping"])
-    assert all(t2d[i] for i in demo_run["summary"]["always_include_ids"])
+    assert demo_run["summary"]["always_include_ids"] == []
     np.testing.assert_array_equal(np.load(tmp_path / f"d2t-{LONG}-{n}.npy"), d2t)
     np.testing.assert_array_equal(np.load(tmp_path / f"t2d-{LONG}-{n}.npy"), t2d)
 
@@ -372,11 +373,14 @@ def test_speculators_on_the_pipeline_output(demo_run, tmp_path):
 @pytest.mark.e2e  # a real Snakemake run of the demo
 def test_specforge_on_the_pipeline_output(demo_run, tmp_path):
     n, target = demo_run["summary"]["draft_size"], demo_run["summary"]["target_vocab_size"]
-    # data.prompts_path is one JSONL file: our export files, concatenated.
+    # data.prompts_path is one JSONL file: `tokenmill export-jsonl --dataset results/dataset`,
+    # the per-shard export files in one fixed order (categories, then shards, by name).
     export = tmp_path / "export.jsonl"
-    with export.open("wb") as f:
-        for part in sorted((demo_run["results"] / "export").glob("*/*.jsonl")):
-            f.write(part.read_bytes())
+    assert (
+        export_main(["--dataset", str(demo_run["results"] / "dataset"), "--out", str(export)]) == 0
+    )
+    parts = sorted((demo_run["results"] / "export").glob("*/*.jsonl"))
+    assert export.read_bytes() == b"".join(p.read_bytes() for p in parts)
     spec = {
         "export": str(export),
         "out": str(tmp_path),
