@@ -580,6 +580,15 @@ def test_from_config_default_forces_nothing_and_owns_the_coverage(tmp_path, caps
     s_c = json.loads((tmp_path / "c" / "vocab_mapping.json").read_text())
     assert s_c["draft_coverage"] == pytest.approx(139 / 190)
     assert s_c["loss_tokens"] == 190
+    # Another draft size: the files of the earlier one leave the folder (speculators would
+    # find them by name); the format it does not write stays as it was.
+    (tmp_path / "a" / "d2t.npy").write_bytes(b"old name")
+    assert _from_config(tmp_path, dict(ds, draft_vocab_size=3), counts_dir, tmp_path / "a") == 0
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
+        "d2t-3.npy",
+        "t2d-3.npy",
+        "vocab_mapping.json",
+    ]
     # Counts of another training length than the config's: an error naming the key.
     capsys.readouterr()
     assert _from_config(tmp_path, dict(ds, max_train_length=64), counts_dir, tmp_path / "d") == 1

@@ -90,9 +90,9 @@ def write_shard(path: Path, rows) -> None:
     pq.write_table(table, path)
 
 
-def build(out: Path, counts_dir: Path, draft: int, always=()) -> Path:
+def build(out: Path, counts_dir: Path, draft: int, always=(), target=TARGET_VOCAB) -> Path:
     argv = ["--counts", str(counts_dir), "--draft-size", str(draft)]
-    argv += ["--target-vocab-size", str(TARGET_VOCAB), "--out-dir", str(out)]
+    argv += ["--target-vocab-size", str(target), "--out-dir", str(out)]
     if always:
         argv += ["--always-include", ",".join(map(str, always))]
     assert dv.main(argv) == 0
@@ -401,3 +401,78 @@ def test_specforge_on_the_pipeline_output(demo_run, tmp_path):
     cut = counts[t2d].min()
     assert their_t2d[counts > cut].all() and (counts[their_t2d] >= cut).all()
     assert (counts[np.flatnonzero(their_t2d != t2d)] == cut).all()
+
+
+@pytest.mark.e2e  # a real Snakemake run: the demo, edited
+@pytest.mark.timeout(1800)  # the session's demo run (its setup) counts into it
+def test_speculators_on_the_pipeline_output_with_a_training_length(demo_workdir, tmp_path):
+    """issue 21: the demo rerun with dataset.max_train_length shorter than most rows (merge
+    recounts; nothing is generated again) and draft_vocab_size 64. The pipeline's mapping (merge's
+    cut counts, the sum rules, the draft_vocab rule; stop ids not forced, the default) equals
+    speculators' own build_vocab_mappings_from_distribution on the token frequencies of its own
+    prepare-data at --seq-length L, at N = 64 (the pipeline's files) and at every other N tried
+    (our builder on the pipeline's counts); summary.json's draft row is that mapping's coverage."""
+    import yaml
+    from helpers import copy_run, failed, snakemake
+
+    run = copy_run(demo_workdir, tmp_path / "demo")
+    lengths = [
+        len(r)
+        for p in sorted((run / "results" / "dataset").glob("*/*.parquet"))
+        for r in pq.read_table(p, columns=["input_ids"]).column(0).to_pylist()
+    ]
+    length = int(np.median(lengths))  # half the rows are cut
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["dataset"]["max_train_length"] = length
+    config["dataset"]["draft_vocab_size"] = 64
+    configfile = tmp_path / "train-length.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    proc = snakemake(run, "--configfile", str(configfile))
+    assert proc.returncode == 0, failed(proc)
+    assert "generate_shard" not in proc.stdout + proc.stderr  # only merge and what follows
+    results = run / "results"
+    mapping = results / "dataset" / "vocab_mapping"
+    summary = json.loads((mapping / "vocab_mapping.json").read_text())
+    assert summary["max_train_length"] == length and summary["always_include_ids"] == []
+    counts = dv.read_counts(results / dv.COUNTS_DIR / f"{dv.ALL_COUNTS}.parquet")
+    target = summary["target_vocab_size"]
+    sizes = [8, 32, 64, 100, 128, 200]
+    maps = {64: mapping}
+    for n in sizes:
+        if n != 64:
+            maps[n] = build(tmp_path / f"map-{n}", results / dv.COUNTS_DIR, n, target=target)
+    out = tmp_path / "out"
+    out.mkdir()
+    run_checker(
+        "speculators",
+        {
+            "export": str(results / "export"),
+            "out": str(out),
+            "max_lengths": [length],
+            "draft_sizes": sizes,
+            "target_vocab_size": target,
+            "mappings": [str(mapping)],
+            "model": str(run / "sample" / "model"),
+        },
+        out,
+    )
+    freq = json.loads((out / f"prepared-counts-{length}.json").read_text())
+    assert freq == {str(i): int(counts[i]) for i in np.flatnonzero(counts)}
+    for n in sizes:
+        d2t, t2d = ours(maps[n])
+        np.testing.assert_array_equal(np.load(out / f"prepared-d2t-{length}-{n}.npy"), d2t, str(n))
+        np.testing.assert_array_equal(np.load(out / f"prepared-t2d-{length}-{n}.npy"), t2d, str(n))
+    # Whole-row counts (the demo run before the edit) give another mapping at some N.
+    whole = dv.read_counts(demo_workdir / "results" / dv.COUNTS_DIR / f"{dv.ALL_COUNTS}.parquet")
+    assert whole.sum() > counts.sum()
+    assert any(
+        not np.array_equal(dv.build_mapping(whole, n, (), target)[1], ours(maps[n])[1])
+        for n in sizes
+    )
+    # One owner of the coverage: the stats' draft row is vocab_mapping.json's figure.
+    stats = json.loads((results / "stats" / "summary.json").read_text())
+    (row,) = [r for r in stats["overall"]["token_coverage"]["top_n"] if r.get("draft")]
+    assert row["mapping"] and row["share"] == round(summary["draft_coverage"], 6)
+    for cat, share in summary["draft_coverage_by_category"].items():
+        (row,) = [r for r in stats["categories"][cat]["token_coverage"]["top_n"] if r.get("draft")]
+        assert row["share"] == round(share, 6), cat

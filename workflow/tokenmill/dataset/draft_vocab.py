@@ -83,6 +83,18 @@ def speculators_names(draft_size: int) -> tuple[str, str]:
     return f"d2t-{int(draft_size)}.npy", f"t2d-{int(draft_size)}.npy"
 
 
+def remove_stale_speculators_files(out_dir, keep: Iterable[str]) -> list[str]:
+    """Delete d2t/t2d files of another draft size (or the old unsuffixed names) from the
+    pipeline's mapping folder, so that speculators finds only this mapping there."""
+    removed = []
+    for pattern in ("d2t*.npy", "t2d*.npy"):
+        for path in sorted(Path(out_dir).glob(pattern)):
+            if path.name not in set(keep):
+                path.unlink()
+                removed.append(path.name)
+    return removed
+
+
 def format_files(fmt: str, draft_size: int) -> tuple[str, ...]:
     """The file names one format writes for a draft size."""
     if fmt == "speculators":
@@ -750,6 +762,8 @@ def _from_config_main(argv: list[str]) -> int:
         )
     except ValueError as exc:
         return fail("draft_vocab_size", f"{size} with target vocabulary {target}: {exc}")
+    for name in remove_stale_speculators_files(args.out_dir, summary["files"]):
+        print(f"removed {name} (a mapping of another draft size)")
     print(
         f"draft vocabulary of {summary['draft_size']} ids over {summary['target_vocab_size']} "
         f"(always in: {summary['always_include_ids']}): {summary['draft_coverage']:.2%} of "
