@@ -271,9 +271,10 @@ def test_cli_files_byte_identical_across_runs(tmp_path):
         )
         outs.append({p.name: p.read_bytes() for p in sorted(out.iterdir())})
     assert outs[0] == outs[1]
-    assert sorted(outs[0]) == ["d2t.npy", "t2d.npy", "vocab_mapping.json", "vocab_mapping.pt"]
-    d2t = np.load(io.BytesIO(outs[0]["d2t.npy"]))
-    t2d = np.load(io.BytesIO(outs[0]["t2d.npy"]))
+    # d2t-N.npy / t2d-N.npy: the names speculators' `train` looks for in its data folder
+    assert sorted(outs[0]) == ["d2t-32.npy", "t2d-32.npy", "vocab_mapping.json", "vocab_mapping.pt"]
+    d2t = np.load(io.BytesIO(outs[0]["d2t-32.npy"]))
+    t2d = np.load(io.BytesIO(outs[0]["t2d-32.npy"]))
     check_mapping(d2t, t2d, 32, vocab + 16)
     assert t2d[398] and t2d[399]
     summary = json.loads(outs[0]["vocab_mapping.json"])
@@ -321,11 +322,11 @@ assert "torch" not in sys.modules, "torch was imported"
     counts = dv.read_counts(dv.counts_path_for(shard))
     np.testing.assert_array_equal(counts, python_count(rows, 200))
     assert sorted(x.name for x in (tmp_path / "out").iterdir()) == [
-        "d2t.npy",
-        "t2d.npy",
+        "d2t-16.npy",
+        "t2d-16.npy",
         "vocab_mapping.json",
     ]
-    t2d = np.load(tmp_path / "out" / "t2d.npy")
+    t2d = np.load(tmp_path / "out" / "t2d-16.npy")
     assert t2d.shape == (256,) and t2d.dtype == np.bool_
 
 
@@ -422,7 +423,7 @@ def test_from_config_builds_the_pipeline_mapping(tmp_path, capsys):
     for cat, c in (("chat", chat), ("code", code)):
         dv.write_counts(counts_dir / f"{cat}.parquet", c, category=cat, scope="category")
     gen = dict(GEN_CFG, model="tok")  # stop tokens ["<|im_end|>"] = id 2; eos "<eos>" = id 1
-    ds = {"draft_vocab_size": 4, "draft_vocab_weights": {}}
+    ds = {"draft_vocab_size": 4, "draft_vocab_weights": {}, "draft_vocab_force_stop_ids": True}
 
     def build(ds, out, gen=gen):
         return dv.main(
@@ -433,12 +434,12 @@ def test_from_config_builds_the_pipeline_mapping(tmp_path, capsys):
         )
 
     assert build(ds, tmp_path / "a") == 0
-    d2t, t2d = np.load(tmp_path / "a" / "d2t.npy"), np.load(tmp_path / "a" / "t2d.npy")
+    d2t, t2d = np.load(tmp_path / "a" / "d2t-4.npy"), np.load(tmp_path / "a" / "t2d-4.npy")
     check_mapping(d2t, t2d, 4, 32)
     assert np.flatnonzero(t2d).tolist() == [1, 2, 5, 6]  # eos, <|im_end|>, the top two
     summary = json.loads((tmp_path / "a" / "vocab_mapping.json").read_text())
     assert summary["always_include_ids"] == [1, 2] and summary["target_vocab_size"] == 32
-    assert sorted(summary["files"]) == ["d2t.npy", "t2d.npy", "vocab_mapping.pt"]
+    assert sorted(summary["files"]) == ["d2t-4.npy", "t2d-4.npy", "vocab_mapping.pt"]
     assert [i["path"] for i in summary["inputs"]] == [
         "token_counts/chat.parquet",
         "token_counts/code.parquet",
@@ -446,7 +447,7 @@ def test_from_config_builds_the_pipeline_mapping(tmp_path, capsys):
     # code weighted 2x: its ids (50, 48) now beat chat's second (40); chat counts once.
     ds_w = dict(ds, draft_vocab_weights={"code": 2.0}, draft_vocab_formats=["speculators"])
     assert build(ds_w, tmp_path / "b") == 0
-    assert np.flatnonzero(np.load(tmp_path / "b" / "t2d.npy")).tolist() == [1, 2, 5, 9]
+    assert np.flatnonzero(np.load(tmp_path / "b" / "t2d-4.npy")).tolist() == [1, 2, 5, 9]
     assert not (tmp_path / "b" / "vocab_mapping.pt").exists()
     summary = json.loads((tmp_path / "b" / "vocab_mapping.json").read_text())
     assert summary["weights"] == {"chat": 1.0, "code": 2.0}
@@ -459,4 +460,212 @@ def test_from_config_builds_the_pipeline_mapping(tmp_path, capsys):
     assert build(ds, tmp_path / "c", gen=dict(gen, model="no/such-model")) == 1
     assert "'dataset.draft_vocab_target_size': null, and" in capsys.readouterr().err
     assert build(dict(ds, draft_vocab_target_size=20), tmp_path / "c") == 0
-    assert np.load(tmp_path / "c" / "t2d.npy").shape == (20,)
+    assert np.load(tmp_path / "c" / "t2d-4.npy").shape == (20,)
+
+
+# --- issue 21: the handoff to the trainers ------------------------------------------------------
+@pytest.mark.parametrize("max_length", [1, 3, 7, 40])
+def test_merge_counts_honour_the_training_length(tmp_path, max_length):
+    """merge's pass with dataset.max_train_length counts what count_dataset counts over the
+    written rows cut to that length (the trainers' cut: prompt + output, first L positions),
+    and says so in the counts' metadata; the sum keeps it."""
+    from test_merge import FP, gen_row, rules, write_generated, write_tokenized
+
+    from tokenmill.dataset import merge
+
+    rng = np.random.default_rng(max_length)
+    prompts = {f"p{i:03d}": rng.integers(5, 19, rng.integers(1, 6)).tolist() for i in range(40)}
+    gens = [
+        gen_row(p, ids, rng.integers(5, 19, rng.integers(0, 8)).tolist() + [2])
+        for p, ids in prompts.items()
+    ]
+    tok, gen = tmp_path / "tok.parquet", tmp_path / "gen.parquet"
+    write_tokenized(tok, prompts)
+    write_generated(gen, gens)
+    out = tmp_path / "dataset" / "chat" / "000.parquet"
+    counts_path = tmp_path / "token_counts" / "chat" / "000.parquet"
+    merge.merge_shard(
+        tok, gen, out, tmp_path / "rej.parquet", rules(), FP, "chat", "000",
+        counts_out=counts_path, count_max_length=max_length,
+    )  # fmt: skip
+    got = dv.read_counts(counts_path)
+    t = pq.read_table(out, columns=["input_ids", "loss_mask"])
+    rows = list(zip(t["input_ids"].to_pylist(), t["loss_mask"].to_pylist(), strict=True))
+    np.testing.assert_array_equal(got, python_count(rows, got.size, max_length=max_length))
+    whole = python_count(rows, got.size)
+    assert max_length == 40 or got.sum() < whole.sum()  # the cut did cut
+    assert dv.counts_max_length(counts_path) == max_length
+    run_cli(["sum", "--category", "chat", "--counts", str(counts_path.parent)]
+            + ["--out", str(tmp_path / "token_counts" / "chat.parquet")])  # fmt: skip
+    assert dv.counts_max_length(tmp_path / "token_counts" / "chat.parquet") == max_length
+
+
+def test_counts_of_different_lengths_are_not_summed(tmp_path):
+    c = np.array([0, 3, 1], np.int64)
+    dv.write_counts(tmp_path / "a" / "00000.parquet", c, category="a")
+    dv.write_counts(tmp_path / "a" / "00001.parquet", c, category="a", max_length=8)
+    with pytest.raises(ValueError, match="different row lengths"):
+        dv.sum_files(dv.find_counts([str(tmp_path / "a")]), category="a")
+    assert dv.counts_max_length(tmp_path / "a" / "00000.parquet") is None
+    # whole rows (the default) write no new metadata key: the files stay byte-identical
+    assert contracts.META_COUNTS_MAX_LENGTH not in contracts.read_metadata(
+        tmp_path / "a" / "00000.parquet"
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_output_window_is_the_row_cut(seed):
+    rng = np.random.default_rng(seed)
+    plen = rng.integers(0, 6, 30)
+    olen = rng.integers(0, 9, 30)
+    off = np.concatenate([[0], np.cumsum(olen)])
+    for length in (1, 4, 9, 100):
+        window = dv.output_window(off, plen, length)
+        want = np.concatenate([np.arange(o) + p < length for p, o in zip(plen, olen, strict=True)])
+        np.testing.assert_array_equal(window, want.astype(bool))
+
+
+def _from_config(tmp_path, ds, counts_dir, out):
+    from test_merge import GEN_CFG
+
+    return dv.main(
+        ["from-config", "--counts", str(counts_dir / "chat.parquet")]
+        + [str(counts_dir / "code.parquet"), "--dataset-config", json.dumps(ds)]
+        + ["--generation-config", json.dumps(dict(GEN_CFG, model="tok")), "--tokenizer-config"]
+        + [json.dumps({"path": "tok"}), "--basedir", str(tmp_path), "--out-dir", str(out)]
+    )
+
+
+def test_from_config_default_forces_nothing_and_owns_the_coverage(tmp_path, capsys):
+    """Default (dataset.draft_vocab_force_stop_ids false): the counts alone choose, as both
+    trainers do; the summary's coverage is the written mapping's share of the real (unweighted)
+    loss tokens, per category too: the number stats shows."""
+    from test_merge import VOCAB, build_tokenizer
+
+    build_tokenizer(tmp_path / "tok")
+    (tmp_path / "tok" / "config.json").write_text(json.dumps({"vocab_size": 32}))
+    counts_dir = tmp_path / "token_counts"
+    chat = np.zeros(len(VOCAB), np.int64)
+    chat[[5, 6, 7, 8, 2]] = [50, 40, 30, 20, 1]  # 2 = <|im_end|>: rare here
+    code = np.zeros(len(VOCAB), np.int64)
+    code[[9, 10]] = [25, 24]
+    for cat, c in (("chat", chat), ("code", code)):
+        dv.write_counts(counts_dir / f"{cat}.parquet", c, category=cat, scope="category")
+    ds = {"draft_vocab_size": 4, "draft_vocab_formats": ["speculators"]}
+    assert _from_config(tmp_path, ds, counts_dir, tmp_path / "a") == 0
+    t2d = np.load(tmp_path / "a" / "t2d-4.npy")
+    assert np.flatnonzero(t2d).tolist() == [5, 6, 7, 9]  # the top four by count, no stop id
+    s = json.loads((tmp_path / "a" / "vocab_mapping.json").read_text())
+    assert s["always_include_ids"] == [] and "max_train_length" not in s
+    total = chat + code
+    assert s["loss_tokens"] == int(total.sum())
+    assert s["draft_coverage"] == pytest.approx(dv.mapping_coverage(total, t2d))
+    assert s["draft_coverage_by_category"] == {
+        "chat": pytest.approx(120 / 141),
+        "code": pytest.approx(25 / 49),
+    }
+    # Forced: the stop ids displace the lowest counts, and the coverage says so.
+    assert _from_config(tmp_path, dict(ds, draft_vocab_force_stop_ids=True), counts_dir,
+                        tmp_path / "b") == 0  # fmt: skip
+    t2d_b = np.load(tmp_path / "b" / "t2d-4.npy")
+    assert np.flatnonzero(t2d_b).tolist() == [1, 2, 5, 6]
+    s_b = json.loads((tmp_path / "b" / "vocab_mapping.json").read_text())
+    assert s_b["draft_coverage"] == pytest.approx(91 / 190)
+    assert s_b["draft_coverage"] < s["draft_coverage"]
+    # Weighted: code 3x picks code's ids, but the coverage is still of the real loss tokens.
+    ds_w = dict(ds, draft_vocab_weights={"code": 3.0})
+    assert _from_config(tmp_path, ds_w, counts_dir, tmp_path / "c") == 0
+    t2d_c = np.load(tmp_path / "c" / "t2d-4.npy")
+    assert np.flatnonzero(t2d_c).tolist() == [5, 6, 9, 10]
+    s_c = json.loads((tmp_path / "c" / "vocab_mapping.json").read_text())
+    assert s_c["draft_coverage"] == pytest.approx(139 / 190)
+    assert s_c["loss_tokens"] == 190
+    # Another draft size: the files of the earlier one leave the folder (speculators would
+    # find them by name); the format it does not write stays as it was.
+    (tmp_path / "a" / "d2t.npy").write_bytes(b"old name")
+    assert _from_config(tmp_path, dict(ds, draft_vocab_size=3), counts_dir, tmp_path / "a") == 0
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
+        "d2t-3.npy",
+        "t2d-3.npy",
+        "vocab_mapping.json",
+    ]
+    # Counts of another training length than the config's: an error naming the key.
+    capsys.readouterr()
+    assert _from_config(tmp_path, dict(ds, max_train_length=64), counts_dir, tmp_path / "d") == 1
+    assert "'dataset.max_train_length': 64 but the token counts" in capsys.readouterr().err
+
+
+def test_stats_draft_row_is_the_written_mappings_coverage(tmp_path):
+    """summary.json / summary.md: the draft row is vocab_mapping.json's number (a forced id
+    makes it lower than the top-N share), not a second computation."""
+    from tokenmill.dataset import stats
+
+    results = tmp_path / "results"
+    counts = np.array([0, 1, 50, 40, 30, 20], np.int64)
+    dv.write_counts(results / dv.COUNTS_DIR / "chat.parquet", counts, category="chat",
+                    scope="category")  # fmt: skip
+    dv.write_counts(results / dv.COUNTS_DIR / f"{dv.ALL_COUNTS}.parquet", counts, scope="all")
+    mapping = results / "dataset" / dv.MAPPING_DIR
+    s = dv.write_mapping(mapping, counts, 3, [1], 8, ["speculators"],
+                         by_category={"chat": counts})  # fmt: skip
+    assert s["draft_coverage"] == pytest.approx(91 / 141)
+    cats, overall = {"chat": {}}, {}
+    stats._token_coverage(results, cats, overall, 3)
+    for scope in (cats["chat"], overall):
+        (row,) = [r for r in scope["token_coverage"]["top_n"] if r.get("draft")]
+        assert row["share"] == round(s["draft_coverage"], 6) and row["mapping"]
+    md = "\n".join(stats.coverage_markdown({"categories": cats, "overall": overall}))
+    assert "draft vocabulary (3 ids)" in md and f"{s['draft_coverage']:.2%}" in md
+    assert f"{120 / 141:.2%}" not in md  # the top-3 share is not shown as the draft's
+    # A mapping of another size (a stale file) is not taken for this one.
+    cats, overall = {"chat": {}}, {}
+    stats._token_coverage(results, cats, overall, 4)
+    (row,) = [r for r in overall["token_coverage"]["top_n"] if r.get("draft")]
+    assert "mapping" not in row
+
+
+def test_config_check_names_a_draft_size_above_the_model_vocabulary(tmp_path):
+    """Caught when the config is checked (before any job), from the model's config.json."""
+    import yaml
+
+    from tokenmill.config import ConfigError, check_semantics
+    from tokenmill.settings import Settings
+
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    vocab = json.loads((REPO / "sample" / "model" / "config.json").read_text())["vocab_size"]
+    config["dataset"]["draft_vocab_size"] = vocab + 1
+    with pytest.raises(ConfigError, match=r"'dataset.draft_vocab_size': \d+ is larger than the "
+                       r"model's vocabulary \(" + str(vocab)):  # fmt: skip
+        check_semantics(Settings.from_config(config), REPO)
+    config["dataset"]["draft_vocab_size"] = vocab
+    check_semantics(Settings.from_config(config), REPO)
+    config["dataset"]["draft_vocab_target_size"] = vocab + 10
+    config["dataset"]["draft_vocab_size"] = vocab + 1  # fits the configured t2d length
+    check_semantics(Settings.from_config(config), REPO)
+
+
+def test_export_concatenates_in_one_fixed_order(tmp_path):
+    """SpecForge reads one file: `export-jsonl --dataset FOLDER` is the per-shard files in
+    category then shard name order, whatever order the folders list in."""
+    from tokenmill.dataset import export
+
+    rng = np.random.default_rng(9)
+    parts = []
+    for cat in ("code", "chat"):
+        for shard in ("001", "000"):
+            path = tmp_path / "dataset" / cat / f"{shard}.parquet"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_dataset_shard(path, random_rows(rng, 5, 50))
+            one = tmp_path / "export" / cat / f"{shard}.jsonl"
+            one.parent.mkdir(parents=True, exist_ok=True)
+            export.export_jsonl(path, one)
+            parts.append(one)
+    (tmp_path / "dataset" / dv.MAPPING_DIR).mkdir()  # beside the categories, no Parquet
+    want = b"".join(p.read_bytes() for p in sorted(parts))
+    assert export.main(["--dataset", str(tmp_path / "dataset"), "--out",
+                        str(tmp_path / "all.jsonl")]) == 0  # fmt: skip
+    assert (tmp_path / "all.jsonl").read_bytes() == want
+    assert export.main(["--dataset", str(tmp_path / "dataset" / "code"), "--out",
+                        str(tmp_path / "code.jsonl")]) == 0  # fmt: skip
+    code = sorted(p for p in parts if p.parent.name == "code")
+    assert (tmp_path / "code.jsonl").read_bytes() == b"".join(p.read_bytes() for p in code)

@@ -105,7 +105,7 @@ def test_provenance_contents_and_secret_scrubbing(tmp_path, monkeypatch):
     assert len(m["generated_samples"]["generated/chat/000.parquet"]) == 2
     # The draft vocabulary and the token counts: listed like every output, and summarized.
     listed = {e["path"] for e in m["outputs"]}
-    assert {"dataset/vocab_mapping/d2t.npy", "dataset/vocab_mapping/t2d.npy"} <= listed
+    assert {"dataset/vocab_mapping/d2t-3.npy", "dataset/vocab_mapping/t2d-3.npy"} <= listed
     assert {"token_counts/chat/000.parquet", "token_counts/_all.parquet"} <= listed
     mapping = json.loads((r / "dataset/vocab_mapping/vocab_mapping.json").read_text())
     assert m["draft_vocab"] == mapping and m["draft_vocab"]["draft_size"] == 3
@@ -136,12 +136,12 @@ def test_verify_pass_and_tamper(tmp_path, monkeypatch, capsys):
     assert verify.main([str(out), str(r)]) == 1
     assert "size differs: dataset/code/000.parquet" in capsys.readouterr().out
     # The draft vocabulary and a token-counts file: a changed mapping or count is named.
-    d2t = r / "dataset" / "vocab_mapping" / "d2t.npy"
+    d2t = r / "dataset" / "vocab_mapping" / "d2t-3.npy"
     d2t.write_bytes(d2t.read_bytes()[:-1] + bytes([d2t.read_bytes()[-1] ^ 1]))
     (r / "token_counts" / "code" / "000.parquet").unlink()
     assert verify.main([str(out), str(r)]) == 1
     text = capsys.readouterr().out
-    assert "sha256 differs: dataset/vocab_mapping/d2t.npy" in text
+    assert "sha256 differs: dataset/vocab_mapping/d2t-3.npy" in text
     assert "missing: token_counts/code/000.parquet" in text
 
 

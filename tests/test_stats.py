@@ -134,6 +134,7 @@ def build_results(root: Path) -> Path:
         [2],
         24,
         ["speculators"],
+        by_category={c: draft_vocab.read_counts(counts / f"{c}.parquet") for c in ("chat", "code")},
     )
     return r
 
@@ -208,14 +209,22 @@ def test_stats_known_numbers(tmp_path):
     assert set(s["categories"]) == {"chat", "code"}  # dataset/vocab_mapping is no category
     cov = chat["token_coverage"]
     assert (cov["loss_tokens"], cov["distinct_ids"], cov["vocab_size"]) == (6, 4, 20)
-    assert cov["top_n"][0] == {"n": 3, "ids": 3, "capped": False, "share": 0.833333, "draft": True}
+    # the draft row: the written mapping's coverage (vocab_mapping.json), marked mapping
+    assert cov["top_n"][0] == {
+        "n": 3,
+        "ids": 3,
+        "capped": False,
+        "share": 0.833333,
+        "draft": True,
+        "mapping": True,
+    }
     assert cov["top_n"][1] == {"n": 8192, "ids": 20, "capped": True, "share": 1.0}
     assert cov["ids_for_share"] == {"0.9": 4, "0.95": 4, "0.99": 4, "0.999": 4}
     allcov = o["token_coverage"]
     assert (allcov["loss_tokens"], allcov["distinct_ids"]) == (9, 5)  # + code's 4 10 2
     assert allcov["top_n"][0]["share"] == round(7 / 9, 6)  # 4 and 2 (3 each), then 8 (1)
     assert "## Token coverage (loss-masked tokens)" in md
-    assert "| top 3 (draft) | top 8,192 (all 20) |" in md
+    assert "| draft vocabulary (3 ids) | top 8,192 (all 20) |" in md
     assert "| chat | 6 | 4 | 83.33% | 100.00% |" in md
     assert "| **all** | 9 | 5 | 77.78% |" in md
     assert (out / stats.COVERAGE_PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -285,9 +294,9 @@ def test_card_loads_with_datasets(tmp_path):
     everything = datasets.load_dataset(str(r / "dataset"), split="train", cache_dir=cache)
     assert len(everything) == 3
     # The draft vocabulary beside the category folders is no config, and the card says what it is.
-    assert (r / "dataset" / "vocab_mapping" / "d2t.npy").is_file()
+    assert (r / "dataset" / "vocab_mapping" / "d2t-3.npy").is_file()
     assert "config_name: vocab_mapping" not in text
-    assert "## Draft vocabulary" in text and "`vocab_mapping/d2t.npy`" in text
+    assert "## Draft vocabulary" in text and "`vocab_mapping/d2t-3.npy`" in text
     # A mapping left from an earlier config with a draft size is not described as this one's.
     assert "## Draft vocabulary" not in card.render(r, dict(CONFIG, dataset={}), None)
     assert pq.read_table(r / "dataset" / "code" / "000.parquet").num_rows == 1

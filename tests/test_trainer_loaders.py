@@ -23,6 +23,7 @@ import pytest
 
 from tokenmill.dataset import draft_vocab as dv
 from tokenmill.dataset.export import export_jsonl
+from tokenmill.dataset.export import main as export_main
 
 pytestmark = [pytest.mark.trainers, pytest.mark.slow]
 
@@ -89,9 +90,9 @@ def write_shard(path: Path, rows) -> None:
     pq.write_table(table, path)
 
 
-def build(out: Path, counts_dir: Path, draft: int, always=()) -> Path:
+def build(out: Path, counts_dir: Path, draft: int, always=(), target=TARGET_VOCAB) -> Path:
     argv = ["--counts", str(counts_dir), "--draft-size", str(draft)]
-    argv += ["--target-vocab-size", str(TARGET_VOCAB), "--out-dir", str(out)]
+    argv += ["--target-vocab-size", str(target), "--out-dir", str(out)]
     if always:
         argv += ["--always-include", ",".join(map(str, always))]
     assert dv.main(argv) == 0
@@ -126,7 +127,10 @@ def data(tmp_path_factory):
 
 
 def ours(folder: Path):
-    return np.load(folder / "d2t.npy"), np.load(folder / "t2d.npy")
+    """Our d2t-N.npy / t2d-N.npy (the names speculators' train finds in its data folder)."""
+    (d2t,) = folder.glob("d2t-*.npy")
+    (t2d,) = folder.glob("t2d-*.npy")
+    return np.load(d2t), np.load(t2d)
 
 
 def kept(rows, max_length):
@@ -248,6 +252,70 @@ def test_specforge_tie_break_is_first_seen(tmp_path):
     assert np.flatnonzero(np.load(sp / f"t2d-{LONG}-2.npy")).tolist() == [3, 7]
 
 
+def test_speculators_prepare_data_with_a_training_length_equals_ours(tmp_path):
+    """issue 21: with a training length shorter than the rows, our mapping (counts cut to that
+    length as dataset.max_train_length does, nothing forced: the default) equals speculators'
+    own build_vocab_mappings_from_distribution on the token frequencies of its own
+    prepare-data function (load_and_preprocess_dataset, --seq-length L), at every N tried.
+    Ids stay below the sample model's 720 (prepare-data decodes a row with its tokenizer)."""
+    rng = np.random.default_rng(21)
+    rows = []
+    for _ in range(120):
+        n = int(rng.integers(10, 70))
+        p = int(rng.integers(1, 12))
+        ids = np.minimum(rng.zipf(1.2, n) - 1, 699).astype(np.int32)
+        rows.append((ids.tolist(), [0] * p + [1] * (n - p)))
+    shard = tmp_path / "dataset" / "chat" / "00000.parquet"
+    write_shard(shard, rows)
+    export = tmp_path / "export.jsonl"
+    export_jsonl(shard, export)
+    lengths = [12, 20]
+    assert sum(len(r) > max(lengths) for r, _ in rows) > 60  # the cut does cut
+    sizes = [1, 5, 16, 32, 48, 64, 300]  # 300: more places than ids seen
+    mine = {}
+    for length in lengths:
+        counts, rows_n = dv.count_dataset(shard, TOKENIZER_LEN, max_length=length)
+        counts_dir = tmp_path / f"counts-{length}"
+        dv.write_counts(counts_dir / "chat" / "00000.parquet", counts, rows_n, max_length=length)
+        for n in sizes:
+            mine[length, n] = build(tmp_path / f"map-{length}-{n}", counts_dir, n)
+        whole, _ = dv.count_dataset(shard, TOKENIZER_LEN)
+        assert counts.sum() < whole.sum()
+    out = tmp_path / "out"
+    out.mkdir()
+    run_checker(
+        "speculators",
+        {
+            "export": str(export),
+            "out": str(out),
+            "max_lengths": lengths,
+            "draft_sizes": sizes,
+            "target_vocab_size": TARGET_VOCAB,
+            "mappings": [str(mine[lengths[0], 16])],
+            "model": str(REPO / "sample" / "model"),
+        },
+        out,
+    )
+    for length in lengths:
+        counts = dv.read_counts(tmp_path / f"counts-{length}" / "chat" / "00000.parquet")
+        freq = json.loads((out / f"prepared-counts-{length}.json").read_text())
+        assert freq == {str(i): int(counts[i]) for i in np.flatnonzero(counts)}
+        for n in sizes:
+            d2t, t2d = ours(mine[length, n])
+            their_d2t = np.load(out / f"prepared-d2t-{length}-{n}.npy")
+            their_t2d = np.load(out / f"prepared-t2d-{length}-{n}.npy")
+            np.testing.assert_array_equal(their_d2t, d2t, err_msg=f"L={length} N={n}")
+            np.testing.assert_array_equal(their_t2d, t2d, err_msg=f"L={length} N={n}")
+    # ... and whole-row counts would have given another mapping at some N (what the key fixes)
+    whole, _ = dv.count_dataset(shard, TOKENIZER_LEN)
+    differs = [
+        n
+        for n in sizes
+        if not np.array_equal(dv.build_mapping(whole, n, (), TARGET_VOCAB)[1], ours(mine[12, n])[1])
+    ]
+    assert differs
+
+
 # --- the pipeline's own output -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def demo_run(demo_workdir):
@@ -295,9 +363,9 @@ def test_speculators_on_the_pipeline_output(demo_run, tmp_path):
     counts = demo_run["counts"]
     freq = json.loads((tmp_path / f"counts-{LONG}.json").read_text())
     assert freq == {str(i): int(counts[i]) for i in np.flatnonzero(counts)}
-    # Its builder gives our d2t/t2d: our always-included stop id is among its top ids anyway.
+    # Its builder gives our d2t/t2d (nothing forced by default, as in speculators).
     d2t, t2d = ours(demo_run["mapping"])
-    assert all(t2d[i] for i in demo_run["summary"]["always_include_ids"])
+    assert demo_run["summary"]["always_include_ids"] == []
     np.testing.assert_array_equal(np.load(tmp_path / f"d2t-{LONG}-{n}.npy"), d2t)
     np.testing.assert_array_equal(np.load(tmp_path / f"t2d-{LONG}-{n}.npy"), t2d)
 
@@ -305,11 +373,14 @@ def test_speculators_on_the_pipeline_output(demo_run, tmp_path):
 @pytest.mark.e2e  # a real Snakemake run of the demo
 def test_specforge_on_the_pipeline_output(demo_run, tmp_path):
     n, target = demo_run["summary"]["draft_size"], demo_run["summary"]["target_vocab_size"]
-    # data.prompts_path is one JSONL file: our export files, concatenated.
+    # data.prompts_path is one JSONL file: `tokenmill export-jsonl --dataset results/dataset`,
+    # the per-shard export files in one fixed order (categories, then shards, by name).
     export = tmp_path / "export.jsonl"
-    with export.open("wb") as f:
-        for part in sorted((demo_run["results"] / "export").glob("*/*.jsonl")):
-            f.write(part.read_bytes())
+    assert (
+        export_main(["--dataset", str(demo_run["results"] / "dataset"), "--out", str(export)]) == 0
+    )
+    parts = sorted((demo_run["results"] / "export").glob("*/*.jsonl"))
+    assert export.read_bytes() == b"".join(p.read_bytes() for p in parts)
     spec = {
         "export": str(export),
         "out": str(tmp_path),
@@ -330,3 +401,78 @@ def test_specforge_on_the_pipeline_output(demo_run, tmp_path):
     cut = counts[t2d].min()
     assert their_t2d[counts > cut].all() and (counts[their_t2d] >= cut).all()
     assert (counts[np.flatnonzero(their_t2d != t2d)] == cut).all()
+
+
+@pytest.mark.e2e  # a real Snakemake run: the demo, edited
+@pytest.mark.timeout(1800)  # the session's demo run (its setup) counts into it
+def test_speculators_on_the_pipeline_output_with_a_training_length(demo_workdir, tmp_path):
+    """issue 21: the demo rerun with dataset.max_train_length shorter than most rows (merge
+    recounts; nothing is generated again) and draft_vocab_size 64. The pipeline's mapping (merge's
+    cut counts, the sum rules, the draft_vocab rule; stop ids not forced, the default) equals
+    speculators' own build_vocab_mappings_from_distribution on the token frequencies of its own
+    prepare-data at --seq-length L, at N = 64 (the pipeline's files) and at every other N tried
+    (our builder on the pipeline's counts); summary.json's draft row is that mapping's coverage."""
+    import yaml
+    from helpers import copy_run, failed, snakemake
+
+    run = copy_run(demo_workdir, tmp_path / "demo")
+    lengths = [
+        len(r)
+        for p in sorted((run / "results" / "dataset").glob("*/*.parquet"))
+        for r in pq.read_table(p, columns=["input_ids"]).column(0).to_pylist()
+    ]
+    length = int(np.median(lengths))  # half the rows are cut
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["dataset"]["max_train_length"] = length
+    config["dataset"]["draft_vocab_size"] = 64
+    configfile = tmp_path / "train-length.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    proc = snakemake(run, "--configfile", str(configfile))
+    assert proc.returncode == 0, failed(proc)
+    assert "generate_shard" not in proc.stdout + proc.stderr  # only merge and what follows
+    results = run / "results"
+    mapping = results / "dataset" / "vocab_mapping"
+    summary = json.loads((mapping / "vocab_mapping.json").read_text())
+    assert summary["max_train_length"] == length and summary["always_include_ids"] == []
+    counts = dv.read_counts(results / dv.COUNTS_DIR / f"{dv.ALL_COUNTS}.parquet")
+    target = summary["target_vocab_size"]
+    sizes = [8, 32, 64, 100, 128, 200]
+    maps = {64: mapping}
+    for n in sizes:
+        if n != 64:
+            maps[n] = build(tmp_path / f"map-{n}", results / dv.COUNTS_DIR, n, target=target)
+    out = tmp_path / "out"
+    out.mkdir()
+    run_checker(
+        "speculators",
+        {
+            "export": str(results / "export"),
+            "out": str(out),
+            "max_lengths": [length],
+            "draft_sizes": sizes,
+            "target_vocab_size": target,
+            "mappings": [str(mapping)],
+            "model": str(run / "sample" / "model"),
+        },
+        out,
+    )
+    freq = json.loads((out / f"prepared-counts-{length}.json").read_text())
+    assert freq == {str(i): int(counts[i]) for i in np.flatnonzero(counts)}
+    for n in sizes:
+        d2t, t2d = ours(maps[n])
+        np.testing.assert_array_equal(np.load(out / f"prepared-d2t-{length}-{n}.npy"), d2t, str(n))
+        np.testing.assert_array_equal(np.load(out / f"prepared-t2d-{length}-{n}.npy"), t2d, str(n))
+    # Whole-row counts (the demo run before the edit) give another mapping at some N.
+    whole = dv.read_counts(demo_workdir / "results" / dv.COUNTS_DIR / f"{dv.ALL_COUNTS}.parquet")
+    assert whole.sum() > counts.sum()
+    assert any(
+        not np.array_equal(dv.build_mapping(whole, n, (), target)[1], ours(maps[n])[1])
+        for n in sizes
+    )
+    # One owner of the coverage: the stats' draft row is vocab_mapping.json's figure.
+    stats = json.loads((results / "stats" / "summary.json").read_text())
+    (row,) = [r for r in stats["overall"]["token_coverage"]["top_n"] if r.get("draft")]
+    assert row["mapping"] and row["share"] == round(summary["draft_coverage"], 6)
+    for cat, share in summary["draft_coverage_by_category"].items():
+        (row,) = [r for r in stats["categories"][cat]["token_coverage"]["top_n"] if r.get("draft")]
+        assert row["share"] == round(share, 6), cat

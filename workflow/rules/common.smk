@@ -166,11 +166,13 @@ def draft_vocab_files():
     """The trainers' files of the draft vocabulary, by dataset.draft_vocab_formats."""
     from tokenmill.dataset import draft_vocab as dv
 
-    formats = SETTINGS.dataset.draft_vocab_formats
+    ds = SETTINGS.dataset
+    if ds.draft_vocab_size is None:
+        return []
     return [
         res(f"dataset/{dv.MAPPING_DIR}/{n}")
-        for f in formats
-        for n in dv.FORMAT_FILES[f]
+        for f in ds.draft_vocab_formats
+        for n in dv.format_files(f, ds.draft_vocab_size)
     ]
 
 

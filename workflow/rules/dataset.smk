@@ -92,6 +92,8 @@ rule summarize_stats:
         meta=all_shard_files("generated/{category}/{shard}.meta.json"),
         merge_rejected=all_shard_files("rejected/merge/{category}/{shard}.parquet"),
         token_counts=category_counts_sums() + [res("token_counts/_all.parquet")],
+        # the draft row of the coverage table is the written mapping's coverage
+        vocab_mapping=draft_vocab_summary(),
     output:
         summary=report(
             res("stats/summary.json"),

@@ -144,6 +144,18 @@ def check_semantics(config: Settings | dict, basedir: str | Path = ".") -> None:
             f"config key 'dataset.draft_vocab_size': {size} is larger than "
             f"dataset.draft_vocab_target_size {target}"
         )
+    elif size is not None and target is None:
+        from tokenmill import model
+
+        # The draft_vocab rule reads the same vocab_size; a model not on this machine is
+        # checked there (and by generate).
+        vocab, where = model.model_vocab_size(s.generation.model, base, s.generation.revision)
+        if vocab is not None and size > vocab:
+            problems.append(
+                f"config key 'dataset.draft_vocab_size': {size} is larger than the model's "
+                f"vocabulary ({vocab} ids, vocab_size in {where}); lower it or set "
+                "dataset.draft_vocab_target_size"
+            )
     gen = s.generation
     if gen.model is None:
         problems.append("config key 'generation.model': required (the model to serve)")

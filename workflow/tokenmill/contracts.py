@@ -74,6 +74,8 @@ META_LOSS_TOKENS = "tokenmill.loss_tokens"
 META_ROWS = "tokenmill.rows"
 META_COUNTS_SCOPE = "tokenmill.counts_scope"
 META_SUMMED_FILES = "tokenmill.summed_files"
+# only the first N positions of each row were counted (dataset.max_train_length); absent: all
+META_COUNTS_MAX_LENGTH = "tokenmill.counts_max_length"
 
 # prepare: results/prompts/{category}.parquet
 # messages and tools are compact JSON in their source key order (see ordered_json):

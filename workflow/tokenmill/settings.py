@@ -383,10 +383,12 @@ class DatasetSettings(_Section):
     think_start_token: str | None
     require_think_end: bool
     export_jsonl: bool
+    max_train_length: int | None
     draft_vocab_size: int | None
     draft_vocab_weights: Mapping[str, float]
     draft_vocab_target_size: int | None
     draft_vocab_formats: tuple[str, ...]
+    draft_vocab_force_stop_ids: bool
 
 
 def _categories(raw: Mapping) -> Mapping[str, CategorySettings]:

@@ -223,9 +223,16 @@ def _draft_vocab_section(dataset: Path) -> list[str]:
         "",
         f"`{draft_vocab.MAPPING_DIR}/` holds the EAGLE-3 draft vocabulary of this dataset: the "
         f"{m['draft_size']:,} token ids most frequent where `loss_mask` is 1 (out of "
-        f"{m['target_vocab_size']:,}; always in: {m['always_include_ids']}), covering "
-        f"{m['draft_coverage']:.2%} of the {m['loss_tokens']:,} loss tokens. Files: {files} "
-        "(`d2t.npy`/`t2d.npy` for vLLM speculators' `--d2t-path`/`--t2d-path`, "
+        f"{m['target_vocab_size']:,}"
+        + (f"; always in: {m['always_include_ids']}" if m["always_include_ids"] else "")
+        + (
+            f"; counted over the first {m['max_train_length']:,} tokens of each row"
+            if m.get("max_train_length")
+            else ""
+        )
+        + f"), covering {m['draft_coverage']:.2%} of the {m['loss_tokens']:,} loss tokens. "
+        f"Files: {files} (`d2t-N.npy`/`t2d-N.npy`: vLLM speculators finds them in its "
+        "`--data-path` under these names, or takes `--d2t-path`/`--t2d-path`; "
         "`vocab_mapping.pt` for SpecForge's `model.vocab_mapping_path`; target id = draft id + "
         "`d2t[draft id]`).",
     ]

@@ -21,11 +21,14 @@ Two steps, so that the counting pass over the data happens once per shard. In th
     tokenmill draft-vocab --counts results/token_counts --draft-size N --target-vocab-size V \\
         --always-include 163586,163585 --out-dir results/draft_vocab
 
-The second writes d2t.npy and t2d.npy (vLLM speculators' `--d2t-path`/`--t2d-path`),
-vocab_mapping.pt (SpecForge's `model.vocab_mapping_path`) and vocab_mapping.json (a summary).
+The second writes d2t-N.npy and t2d-N.npy (the names vLLM speculators' `train` looks for in its
+data folder, or give them with `--d2t-path`/`--t2d-path`), vocab_mapping.pt (SpecForge's
+`model.vocab_mapping_path`) and vocab_mapping.json (a summary, with the mapping's coverage: the
+one place that number is computed; stats and the card read it).
 
-Selection: stop/end-of-turn ids given with --always-include are always in; the remaining places
-go to the ids with the highest counts, equal counts broken by the smaller token id (the order of
+Selection: ids given with --always-include (in the pipeline: the stop ids, when
+dataset.draft_vocab_force_stop_ids is true) are always in; the remaining places go to the ids
+with the highest counts, equal counts broken by the smaller token id (the order of
 speculators' builder). When fewer ids were seen than there are places, the smallest unused ids
 fill the rest (as both trainers do). Nothing here imports torch except `specforge_bytes`.
 """
@@ -68,12 +71,39 @@ TOKEN_COUNTS = pa.schema(
     ]
 )
 
-SPECULATORS_D2T = "d2t.npy"
-SPECULATORS_T2D = "t2d.npy"
 SPECFORGE_PT = "vocab_mapping.pt"
 SUMMARY_JSON = "vocab_mapping.json"
 FORMATS = ("speculators", "specforge")
-FORMAT_FILES = {"speculators": (SPECULATORS_D2T, SPECULATORS_T2D), "specforge": (SPECFORGE_PT,)}
+
+
+def speculators_names(draft_size: int) -> tuple[str, str]:
+    """(d2t-N.npy, t2d-N.npy): the names `speculators train --draft-vocab-size N` looks for in
+    its --data-path before it builds a mapping of its own (speculators 0.9.0,
+    train/cli.py parse_vocab_mappings)."""
+    return f"d2t-{int(draft_size)}.npy", f"t2d-{int(draft_size)}.npy"
+
+
+def remove_stale_speculators_files(out_dir, keep: Iterable[str]) -> list[str]:
+    """Delete d2t/t2d files of another draft size (or the old unsuffixed names) from the
+    pipeline's mapping folder, so that speculators finds only this mapping there."""
+    removed = []
+    for pattern in ("d2t*.npy", "t2d*.npy"):
+        for path in sorted(Path(out_dir).glob(pattern)):
+            if path.name not in set(keep):
+                path.unlink()
+                removed.append(path.name)
+    return removed
+
+
+def format_files(fmt: str, draft_size: int) -> tuple[str, ...]:
+    """The file names one format writes for a draft size."""
+    if fmt == "speculators":
+        return speculators_names(draft_size)
+    if fmt == "specforge":
+        return (SPECFORGE_PT,)
+    raise ValueError(f"format must be one of {list(FORMATS)}, got {fmt!r}")
+
+
 COVERAGE_NS = (8192, 16384, 32768, 65536)
 TIE_BREAK = "count descending, then token id ascending"
 
@@ -126,6 +156,19 @@ def count_loss_tokens(
     )
 
 
+def output_window(output_offsets, prompt_lengths, max_length: int) -> np.ndarray:
+    """Which output ids lie in the first `max_length` positions of their row (prompt + output):
+    a bool mask over the flat output values (offsets from 0). The trainers cut each row to
+    their sequence length before counting; this is the same cut, for merge's output arrays."""
+    offsets = np.asarray(output_offsets, dtype=np.int64)
+    lengths = np.diff(offsets)
+    prompt = np.asarray(prompt_lengths, dtype=np.int64)
+    if prompt.shape != lengths.shape:
+        raise ValueError(f"{prompt.size} prompt lengths for {lengths.size} rows")
+    position = np.arange(int(offsets[-1]), dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+    return position + np.repeat(prompt, lengths) < max_length
+
+
 def count_dataset(
     path, vocab_size: int, *, max_length: int | None = None, batch_size: int = 8192
 ) -> tuple[np.ndarray, int]:
@@ -161,9 +204,11 @@ def write_counts(
     shard: str | None = None,
     scope: str = "shard",
     files: int | None = None,
+    max_length: int | None = None,
 ) -> None:
     """The non-zero counts as Parquet (token_id int32, count int64, ascending ids), with the
-    vocabulary size, scope (and category, shard, rows when given) in the metadata.
+    vocabulary size, scope (and category, shard, rows, the counted row length when given) in
+    the metadata.
     Deterministic and atomic (tokenmill.contracts)."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
@@ -187,6 +232,7 @@ def write_counts(
         contracts.META_CATEGORY: category,
         contracts.META_SHARD: shard,
         contracts.META_SUMMED_FILES: files,
+        contracts.META_COUNTS_MAX_LENGTH: max_length,
     }
     meta.update({k: v for k, v in optional.items() if v is not None})
     contracts.write_table(table, path, TOKEN_COUNTS, COUNTS_STAGE, meta)
@@ -216,6 +262,23 @@ def counts_category(path) -> str:
 
 def counts_scope(path) -> str:
     return contracts.read_metadata(path).get(contracts.META_COUNTS_SCOPE) or "shard"
+
+
+def counts_max_length(path) -> int | None:
+    """The row length a counts file was counted with (dataset.max_train_length); None: whole
+    rows."""
+    value = contracts.read_metadata(path).get(contracts.META_COUNTS_MAX_LENGTH)
+    return None if value is None else int(value)
+
+
+def same_max_length(paths: Sequence) -> int | None:
+    """The one row length every file was counted with; a mix is an error (summing counts of
+    different cuts would describe no trainer's data)."""
+    lengths = {counts_max_length(p) for p in paths}
+    if len(lengths) > 1:
+        shown = sorted("whole rows" if n is None else str(n) for n in lengths)
+        raise ValueError(f"counts files counted with different row lengths: {shown}")
+    return lengths.pop() if lengths else None
 
 
 def sum_counts(paths: Iterable, weights: Mapping[str, float] | None = None) -> np.ndarray:
@@ -328,13 +391,17 @@ def coverage(counts: np.ndarray, ns: Iterable[int] = COVERAGE_NS) -> dict[int, f
 COVERAGE_SHARES = (0.9, 0.95, 0.99, 0.999)
 
 
-def coverage_view(counts: np.ndarray, draft_size: int | None = None) -> dict:
+def coverage_view(
+    counts: np.ndarray, draft_size: int | None = None, draft_share: float | None = None
+) -> dict:
     """What people look at before choosing a draft vocabulary size (stats/summary.json):
 
     loss_tokens, distinct_ids, vocab_size (the counts' length),
     top_n: [{n, ids, capped, share}] for n in COVERAGE_NS (and the configured draft size,
         marked draft: true): the share of loss tokens on the `ids` = min(n, vocab_size) most
-        frequent ids (capped: n exceeds the vocabulary, so every id is in);
+        frequent ids (capped: n exceeds the vocabulary, so every id is in); the draft row's
+        share is `draft_share` when given (the written mapping's coverage, vocab_mapping.json:
+        forced ids and category weights make it differ from the top n), marked mapping: true;
     ids_for_share: {share: the fewest ids that cover it} (null when nothing was counted).
     The second half is what still says something when the vocabulary is smaller than 8192."""
     counts = np.asarray(counts)
@@ -351,6 +418,9 @@ def coverage_view(counts: np.ndarray, draft_size: int | None = None) -> dict:
         row = {"n": n, "ids": ids, "capped": n > vocab, "share": round(share, 6)}
         if is_draft:
             row["draft"] = True
+            if draft_share is not None:
+                row["share"] = round(float(draft_share), 6)
+                row["mapping"] = True
         rows.append(row)
     return {
         "loss_tokens": total,
@@ -400,9 +470,10 @@ def _check(d2t: np.ndarray, t2d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def speculators_bytes(d2t: np.ndarray, t2d: np.ndarray) -> dict[str, bytes]:
-    """{d2t.npy: int64 [draft], t2d.npy: bool [target]} as speculators np.load()s them."""
+    """{d2t-N.npy: int64 [N], t2d-N.npy: bool [target]} as speculators np.load()s them."""
     d2t, t2d = _check(d2t, t2d)
-    return {SPECULATORS_D2T: _npy_bytes(d2t), SPECULATORS_T2D: _npy_bytes(t2d)}
+    d2t_name, t2d_name = speculators_names(d2t.size)
+    return {d2t_name: _npy_bytes(d2t), t2d_name: _npy_bytes(t2d)}
 
 
 def specforge_bytes(d2t: np.ndarray, t2d: np.ndarray) -> bytes:
@@ -426,7 +497,7 @@ def specforge_bytes(d2t: np.ndarray, t2d: np.ndarray) -> bytes:
 
 
 def write_speculators(out_dir, d2t: np.ndarray, t2d: np.ndarray) -> dict[str, str]:
-    """Write d2t.npy and t2d.npy; {file name: sha256}."""
+    """Write d2t-N.npy and t2d-N.npy; {file name: sha256}."""
     out = {}
     for name, data in speculators_bytes(d2t, t2d).items():
         _write_bytes(Path(out_dir) / name, data)
@@ -450,8 +521,16 @@ def write_mapping(
     formats: Sequence[str] = FORMATS,
     inputs: Sequence[dict] = (),
     weights: Mapping[str, float] | None = None,
+    loss_counts: np.ndarray | None = None,
+    by_category: Mapping[str, np.ndarray] | None = None,
+    max_length: int | None = None,
 ) -> dict:
-    """Build the mapping, write it in `formats` and vocab_mapping.json; returns the summary."""
+    """Build the mapping, write it in `formats` and vocab_mapping.json; returns the summary.
+
+    `counts` choose the ids (weighted when `weights` were applied); the coverage figures are
+    shares of the real loss tokens: `loss_counts` (the unweighted sum; default `counts`) and,
+    per category, `by_category`. vocab_mapping.json's draft_coverage and
+    draft_coverage_by_category are the numbers stats and the card show."""
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown or not formats:
         raise ValueError(f"formats must be among {list(FORMATS)}, got {list(formats)}")
@@ -462,7 +541,7 @@ def write_mapping(
         files.update(write_speculators(out_dir, d2t, t2d))
     if "specforge" in formats:
         files.update(write_specforge(out_dir, d2t, t2d))
-    counts = np.asarray(counts)
+    counts = np.asarray(counts if loss_counts is None else loss_counts)
     total = counts.sum()
     summary = {
         "draft_size": int(draft_size),
@@ -477,6 +556,12 @@ def write_mapping(
         "files": dict(sorted(files.items())),
         "inputs": list(inputs),
     }
+    if by_category is not None:
+        summary["draft_coverage_by_category"] = {
+            cat: mapping_coverage(c, t2d) for cat, c in sorted(by_category.items())
+        }
+    if max_length is not None:
+        summary["max_train_length"] = int(max_length)
     if weights is not None:
         summary["weights"] = {k: float(v) for k, v in sorted(weights.items())}
     text = json.dumps(summary, indent=2, sort_keys=True) + "\n"
@@ -530,7 +615,7 @@ def _count_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     counts, rows = count_dataset(args.dataset, args.vocab_size, max_length=args.max_length)
     out = args.out or counts_path_for(args.dataset)
-    write_counts(out, counts, rows)
+    write_counts(out, counts, rows, max_length=args.max_length)
     print(f"{out}: {int(counts.sum())} loss tokens, {np.count_nonzero(counts)} distinct ids")
     return 0
 
@@ -556,7 +641,10 @@ def _sum_main(argv: list[str]) -> int:
         print(f"tokenmill draft-vocab sum: {exc}", file=sys.stderr)
         return 1
     scope = "all" if args.all else "category"
-    write_counts(args.out, counts, rows, category=args.category, scope=scope, files=len(paths))
+    write_counts(
+        args.out, counts, rows, category=args.category, scope=scope, files=len(paths),
+        max_length=same_max_length(paths),
+    )  # fmt: skip
     print(f"{args.out}: {int(counts.sum())} loss tokens from {len(paths)} files")
     return 0
 
@@ -571,6 +659,7 @@ def sum_files(paths: Sequence, category: str | None = None) -> tuple[np.ndarray,
         others = sorted(str(p) for p in paths if counts_category(p) != category)
         if others or scopes != {"shard"}:
             raise ValueError(f"not shard counts of category {category!r}: {others or paths}")
+    same_max_length(paths)
     rows = [contracts.read_metadata(p).get(contracts.META_ROWS) for p in paths]
     total_rows = sum(int(r) for r in rows) if None not in rows else None
     return sum_counts(paths), total_rows
@@ -614,11 +703,14 @@ def _from_config_main(argv: list[str]) -> int:
     if not paths:
         print("tokenmill draft-vocab: no counts files found", file=sys.stderr)
         return 2
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from tokenmill.tokenization.tokenizer import load_tokenizer
+    forced: list[int] = []
+    if ds.draft_vocab_force_stop_ids:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from tokenmill.tokenization.tokenizer import load_tokenizer
 
-    # The configured stop tokens as the tokenizer resolves them, plus its eos: merge's stop ids.
-    rules = validate.rules_from_config(ds, gen, load_tokenizer(tok, args.basedir))
+        # The configured stop tokens as the tokenizer resolves them, plus its eos: merge's.
+        rules = validate.rules_from_config(ds, gen, load_tokenizer(tok, args.basedir))
+        forced = sorted(set(rules.stop_ids))
     target = ds.draft_vocab_target_size
     if target is None:
         try:
@@ -641,19 +733,37 @@ def _from_config_main(argv: list[str]) -> int:
         for p in paths
     ]
     try:
-        counts = sum_counts(paths, weights)
+        length = same_max_length(paths)
+        if length != ds.max_train_length:
+            return fail(
+                "max_train_length",
+                f"{ds.max_train_length} but the token counts were counted with "
+                f"{length} (rerun merge)",
+            )
+        by_category: dict[str, np.ndarray] = {}
+        for p in paths:
+            c = read_counts(p)
+            cat = counts_category(p)
+            by_category[cat] = by_category[cat] + c if cat in by_category else c
+        loss_counts = sum_counts(paths)
+        counts = sum_counts(paths, weights) if weights is not None else loss_counts
         summary = write_mapping(
             args.out_dir,
             counts,
             int(size),
-            sorted(set(rules.stop_ids)),
+            forced,
             int(target),
             list(ds.draft_vocab_formats),
             inputs,
             weights,
+            loss_counts=loss_counts,
+            by_category=by_category,
+            max_length=length,
         )
     except ValueError as exc:
         return fail("draft_vocab_size", f"{size} with target vocabulary {target}: {exc}")
+    for name in remove_stale_speculators_files(args.out_dir, summary["files"]):
+        print(f"removed {name} (a mapping of another draft size)")
     print(
         f"draft vocabulary of {summary['draft_size']} ids over {summary['target_vocab_size']} "
         f"(always in: {summary['always_include_ids']}): {summary['draft_coverage']:.2%} of "
@@ -697,7 +807,7 @@ def main(argv: list[str]) -> int:
         "--format",
         action="append",
         choices=FORMATS,
-        help="speculators (d2t.npy, t2d.npy) and/or specforge (vocab_mapping.pt); default both",
+        help="speculators (d2t-N.npy, t2d-N.npy) and/or specforge (vocab_mapping.pt); default both",
     )
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args(argv)
@@ -707,6 +817,7 @@ def main(argv: list[str]) -> int:
         return 2
     weights = _weights(args.weight)
     counts = sum_counts(paths, weights)
+    loss_counts = sum_counts(paths) if weights is not None else counts
     inputs = []
     for p in paths:
         data = p.read_bytes()
@@ -722,6 +833,8 @@ def main(argv: list[str]) -> int:
         args.format or FORMATS,
         inputs,
         weights,
+        loss_counts=loss_counts,
+        max_length=same_max_length(paths),
     )
     print(
         f"draft vocabulary of {summary['draft_size']} ids over {summary['target_vocab_size']}: "

@@ -23,7 +23,8 @@ With `counts_out` (`--counts-out`, the `merge_shard` rule always gives it), the 
 counts the loss-masked tokens of the kept rows (loss_mask = 1 is exactly the output part, so
 one np.bincount per batch over the output ids) and writes them in draft_vocab's counts format
 to results/token_counts/{category}/{shard}.parquet, so an incremental rebuild recounts only the
-shards it re-merges.
+shards it re-merges. With dataset.max_train_length L, only the ids in the first L positions of
+each row (prompt + output) are counted: the trainers cut rows to their sequence length first.
 
 File key-value metadata (the counts are added at close; read them with
 contracts.read_metadata): tokenmill.records_in (generated rows + not_generated prompts, i.e.
@@ -248,17 +249,25 @@ def merge_shard(
     shard: str,
     generate_rejected: str | os.PathLike | None = None,
     counts_out: str | os.PathLike | None = None,
+    count_max_length: int | None = None,
 ) -> MergeResult:
     """Merge one shard; raises ConservationError when the counts do not add up. With
-    `counts_out`, also writes the loss-token counts of the kept rows there."""
+    `counts_out`, also writes the loss-token counts of the kept rows there; with
+    `count_max_length` (dataset.max_train_length), only those in the first that many positions
+    of each row (the trainers' cut)."""
     if contracts.read_metadata(generated).get(contracts.META_CONTEXT) == "regenerated":
         res = merge_conversation_shard(
             tokenized, generated, out, rejected, rules, generation_fp, category, shard,
             generate_rejected,
         )  # fmt: skip
         if counts_out:  # conversation shards are small: counted from the written rows
-            counts, rows = draft_vocab.count_dataset(out, rules.vocab_size)
-            draft_vocab.write_counts(counts_out, counts, rows, category=category, shard=shard)
+            counts, rows = draft_vocab.count_dataset(
+                out, rules.vocab_size, max_length=count_max_length
+            )
+            draft_vocab.write_counts(
+                counts_out, counts, rows, category=category, shard=shard,
+                max_length=count_max_length,
+            )  # fmt: skip
         return res
     res = MergeResult()
     tok = _read_scalar(tokenized, ["prompt_id", "num_prompt_tokens"])
@@ -391,11 +400,16 @@ def merge_shard(
                 p_val, p_off = contracts.list_arrays(p_arr)
                 o_val, o_off = contracts.list_arrays(o_arr)
             if counts_out:
+                counted = o_val
+                if count_max_length is not None:
+                    window = draft_vocab.output_window(o_off, np.diff(p_off), count_max_length)
+                    counted = o_val[window]
                 # bincount casts to int64: counted a slice at a time, not a batch's worth
-                for lo in range(0, len(o_val), COUNT_VALUES):
+                for lo in range(0, len(counted), COUNT_VALUES):
                     token_counts += np.bincount(
-                        o_val[lo : lo + COUNT_VALUES], minlength=rules.vocab_size
+                        counted[lo : lo + COUNT_VALUES], minlength=rules.vocab_size
                     )
+                del counted
             table = _dataset_batch(p_off, p_val, o_off, o_val, gi[ok], gen_scalars, category, rules)
             del p_arr, o_arr, p_val, o_val  # the batch's inputs, before its write
             if pending is not None:
@@ -430,7 +444,10 @@ def merge_shard(
         )
 
     if counts_out:
-        draft_vocab.write_counts(counts_out, token_counts, res.kept, category=category, shard=shard)
+        draft_vocab.write_counts(
+            counts_out, token_counts, res.kept, category=category, shard=shard,
+            max_length=count_max_length,
+        )  # fmt: skip
     rejects.rows.sort(key=lambda r: (r["prompt_id"] or "", r["reason"], r["record"] or ""))
     rejects.write(rejected, _file_meta(category, shard))
     return res
@@ -665,6 +682,7 @@ def main(argv: list[str]) -> int:
             args.shard,
             generate_rejected=args.generate_rejected,
             counts_out=args.counts_out,
+            count_max_length=ds.max_train_length,
         )
     except ConservationError as exc:
         print(f"tokenmill merge: {exc}", file=sys.stderr)

@@ -19,7 +19,9 @@ summary.json (keys sorted; "schema": "tokenmill.stats/1"):
                   output_tokens_per_s, gpus, gpu_hours, output_tokens_per_gpu_hour
       token_coverage: loss_tokens, distinct_ids, vocab_size, top_n [{n, ids, capped, share}],
                   ids_for_share {0.9|0.95|0.99|0.999: ids}   (draft_vocab.coverage_view, from
-                  results/token_counts/{category}.parquet and _all.parquet; absent without them)
+                  results/token_counts/{category}.parquet and _all.parquet; absent without them;
+                  the draft row's share is the written mapping's coverage from
+                  results/dataset/vocab_mapping/vocab_mapping.json when it exists)
       conversations (categories with `context: regenerated`, docs/multi-turn.md; the stages
                   above count conversations there):
           conversations, prefix_exact, turns_in_data, turns_answered, turns_generated,
@@ -644,11 +646,24 @@ def _coverage_counts(results: Path, names) -> dict:
     return out
 
 
+def _mapping_shares(results: Path, draft_size: int | None) -> dict:
+    """{category or "_all": the written mapping's coverage} from vocab_mapping.json (its one
+    owner, draft_vocab.write_mapping), when a mapping of `draft_size` ids exists."""
+    path = results / "dataset" / draft_vocab.MAPPING_DIR / draft_vocab.SUMMARY_JSON
+    if not draft_size or not path.is_file():
+        return {}
+    m = json.loads(path.read_text())
+    if m.get("draft_size") != draft_size:
+        return {}
+    return {**m.get("draft_coverage_by_category", {}), draft_vocab.ALL_COUNTS: m["draft_coverage"]}
+
+
 def _token_coverage(results: Path, cats: dict, overall: dict, draft_size: int | None) -> None:
     found = _coverage_counts(results, [*cats, draft_vocab.ALL_COUNTS])
+    shares = _mapping_shares(results, draft_size)
     for name, counts in found.items():
         scope = overall if name == draft_vocab.ALL_COUNTS else cats[name]
-        scope["token_coverage"] = draft_vocab.coverage_view(counts, draft_size)
+        scope["token_coverage"] = draft_vocab.coverage_view(counts, draft_size, shares.get(name))
 
 
 def coverage_markdown(summary: dict) -> list[str]:
@@ -660,6 +675,9 @@ def coverage_markdown(summary: dict) -> list[str]:
     ref = scopes[-1][1]
     head = []
     for row in ref["top_n"]:
+        if row.get("mapping"):  # the written mapping's coverage, not the top n by count
+            head.append(f"draft vocabulary ({row['n']:,} ids)")
+            continue
         label = f"top {row['n']:,}" + (" (draft)" if row.get("draft") else "")
         head.append(label + (f" (all {row['ids']:,})" if row["capped"] else ""))
     shares = list(ref["ids_for_share"])
@@ -668,7 +686,13 @@ def coverage_markdown(summary: dict) -> list[str]:
         "Share of the tokens the drafter is trained on (loss_mask = 1) that fall on the N most "
         "frequent token ids, i.e. what a draft vocabulary of N ids covers, and the fewest ids "
         f"that cover a share. The vocabulary has {ref['vocab_size']:,} ids; an N above it "
-        "takes them all.",
+        "takes them all."
+        + (
+            " The draft vocabulary column is the share the written mapping covers "
+            "(`dataset/vocab_mapping/vocab_mapping.json`)."
+            if any(r.get("mapping") for r in ref["top_n"])
+            else ""
+        ),
         "",
         "| category | loss tokens | distinct ids | "
         + " | ".join(head)
