@@ -10,7 +10,8 @@ Each session's log is printed whole when it ends, then one line per session: its
 time and CPU time (its processes and every descendant they waited for). The exit status is
 non-zero when any session failed (or collected nothing).
 
-Usage: python tests/run_sessions.py [--logs DIR] [--only NAME ...] [-- extra pytest args]
+Usage: python tests/run_sessions.py [--logs DIR] [--tmp DIR] [--only NAME ...] [-- pytest args]
+(--tmp: each session's pytest --basetemp is DIR/NAME, emptied when the session starts.)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,6 +44,7 @@ def main(argv: list[str]) -> int:
         argv, extra = argv[:at], argv[at + 1 :]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--logs", type=Path, default=ROOT / ".test-logs")
+    parser.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()) / "tokenmill-tests")
     parser.add_argument("--only", nargs="+", choices=sorted(SESSIONS), default=list(SESSIONS))
     args = parser.parse_args(argv)
     args.logs.mkdir(parents=True, exist_ok=True)
@@ -50,7 +53,11 @@ def main(argv: list[str]) -> int:
     for name in args.only:
         paths, env = SESSIONS[name]
         log = args.logs / f"{name}.log"
-        cmd = [sys.executable, "-m", "pytest", "-q", "--durations=25", *paths, *extra]
+        # Its own --basetemp: a failed test's files stay there for a look after the run (pytest
+        # keeps only its last three numbered folders, and the sessions make three at once).
+        basetemp = args.tmp / name
+        cmd = [sys.executable, "-m", "pytest", "-q", "--durations=25", f"--basetemp={basetemp}"]
+        cmd += [*paths, *extra]
         with open(log, "w") as out:
             proc = subprocess.Popen(
                 cmd, cwd=ROOT, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT
