@@ -48,6 +48,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--only", nargs="+", choices=sorted(SESSIONS), default=list(SESSIONS))
     args = parser.parse_args(argv)
     args.logs.mkdir(parents=True, exist_ok=True)
+    args.tmp.mkdir(parents=True, exist_ok=True)  # pytest makes --basetemp but not its parents
 
     running = {}
     for name in args.only:
