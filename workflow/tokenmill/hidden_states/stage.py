@@ -1,0 +1,121 @@
+"""`tokenmill hidden-states`: one dataset shard -> its rows' hidden states (job.py).
+
+    tokenmill hidden-states --category C --shard 000 --dataset results/dataset/C/000.parquet \
+        --out-dir results/hidden_states/C/000 --config-json CONFIG --journal-dir journal \
+        [--basedir .]
+
+CONFIG is the whole resolved config (inline JSON or a file): hidden_states.* and the model
+(hidden_states.model, else generation.model). Writes the shard folder and, last, its
+manifest.json (layout.py); a killed run resumes from its journal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from tokenmill import model as model_files
+from tokenmill.hidden_states import job, layout
+from tokenmill.settings import ConfigError, Settings, hidden_states_resources, load_section
+
+STAGE = "hidden_states"
+
+
+def model_name(settings: Settings) -> str | None:
+    return settings.hidden_states.model or settings.generation.model
+
+
+def plan_layers(settings: Settings, basedir=".") -> tuple[layout.ModelShape, list[int]]:
+    """The model's shape and the resolved layer ids (LayoutError when they cannot be read)."""
+    shape = layout.model_shape(model_name(settings), basedir, settings.generation.revision)
+    return shape, layout.resolve_layers(settings.hidden_states.layers, shape.num_layers)
+
+
+def fingerprint(settings: Settings, basedir=".") -> dict:
+    """What the stored values depend on: the weights, the layer ids, the dtype, the backend."""
+    shape, layers = plan_layers(settings, basedir)
+    where = layout.model_dir(model_name(settings), basedir, settings.generation.revision)
+    return {
+        "model": model_name(settings),
+        "weights": model_files.weights_fingerprint(where),
+        "layers": layers,
+        "dtype": shape.dtype,
+        "hidden_size": shape.hidden_size,
+        "backend": settings.hidden_states.backend,
+    }
+
+
+def job_resources(settings: Settings, attempt: int = 1) -> dict:
+    """The rule's SLURM resources (one node; generation.resources with hidden_states.resources
+    laid over it): GPUs as generate's one-node jobs ask for them, runtime and memory growing
+    with the attempt up to their caps."""
+    r = hidden_states_resources(settings.generation, settings.hidden_states)
+
+    def capped(value, cap):
+        return min(value, int(cap)) if cap else value
+
+    return {
+        "nodes": 1,
+        "cpus_per_task": r.cpus,
+        "gpu": r.gpus,
+        "gpu_model": r.gpu_model if r.gpus > 0 else None,
+        "runtime": capped(r.runtime_min * attempt, r.max_runtime_min),
+        "mem_mb": capped(r.mem_mb * attempt, r.max_mem_mb),
+        "qos": r.qos,
+        "constraint": r.constraint,
+    }
+
+
+def backend_factory(settings: Settings, basedir, layers: list[int]):
+    hs = settings.hidden_states
+    if hs.backend != "hf":
+        raise ConfigError(f"config key 'hidden_states.backend': {hs.backend!r} is not built yet")
+
+    def make():
+        from tokenmill.hidden_states.hf import HFBackend
+
+        where = layout.model_dir(model_name(settings), basedir, settings.generation.revision)
+        return HFBackend(str(where), layers, hs.device)
+
+    return make
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="tokenmill hidden-states", description=__doc__.split("\n")[0])
+    p.add_argument("--category", required=True)
+    p.add_argument("--shard", required=True)
+    p.add_argument("--dataset", required=True, type=Path)
+    p.add_argument("--out-dir", required=True, type=Path)
+    p.add_argument("--config-json", required=True)
+    p.add_argument("--journal-dir", required=True, type=Path)
+    p.add_argument("--basedir", default=".", type=Path)
+    a = p.parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(levelname)s %(message)s")
+    try:
+        settings = load_section(a.config_json, None)
+        fp = fingerprint(settings, a.basedir)
+        factory = backend_factory(settings, a.basedir, fp["layers"])
+    except (ConfigError, layout.LayoutError) as exc:
+        print(f"tokenmill hidden-states: {exc}", file=sys.stderr)
+        return 1
+    hs = settings.hidden_states
+    manifest = job.run_shard(
+        category=a.category,
+        shard=a.shard,
+        dataset=a.dataset,
+        out_dir=a.out_dir,
+        journal_path=a.journal_dir / STAGE / a.category / f"{a.shard}.jsonl",
+        backend_factory=factory,
+        fingerprint=fp,
+        layouts=tuple(hs.layouts),
+        batch_tokens=hs.batch_tokens,
+        max_batch_rows=hs.max_batch_rows,
+        describe={"layer_ids": fp["layers"], "dtype": fp["dtype"]},
+    )
+    print(
+        f"{a.category}/{a.shard}: {manifest['rows']} rows, {manifest['tokens']} tokens, "
+        f"{len(manifest['files'])} files, {manifest['bytes']} bytes"
+    )
+    return 0
