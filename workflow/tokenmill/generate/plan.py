@@ -225,7 +225,12 @@ def make_plan(config: dict, basedir: Path, throughput: float | None, pilot_n: in
                 f"generation at {used:.0f} tok/s, more than runtime_min={r['runtime_min']}: "
                 "more shards, or a longer runtime for this category (categories.X.resources)"
             )
+    from tokenmill.hidden_states.stage import estimate
+
+    expected = {r["category"]: r["prompt_tokens"] + r["prompts"] * r["mean_output_tokens"]
+                for r in rows}  # fmt: skip
     return {
+        "hidden_states": estimate(settings, basedir, expected),
         "throughput_tok_s": used,
         "throughput_source": "--throughput" if throughput else ("pilot" if measured else None),
         "pilot": {k: v for k, v in (pilot or {}).items() if k in ("requests", "wall_s")} or None,
@@ -288,6 +293,9 @@ def format_table(plan: dict) -> str:
         if tput
         else "throughput: not given (--throughput TOK_S, or --pilot N): no hours"
     )
+    from tokenmill.hidden_states.stage import format_estimate
+
+    lines += format_estimate(plan.get("hidden_states"))
     lines += [f"warning: {w}" for w in plan["warnings"]]
     return "\n".join(lines)
 

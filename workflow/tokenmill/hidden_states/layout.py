@@ -106,15 +106,19 @@ def default_layers(num_layers: int) -> list[int]:
 def resolve_layers(layers, num_layers: int) -> list[int]:
     """The configured ids (None: the default) checked against an L-layer model."""
     ids = list(layers) if layers is not None else default_layers(num_layers)
-    key = "hidden_states.layers" + ("" if layers is not None else " (default [2, L//2, L-3, L])")
+    key = "hidden_states.layers"
+    if layers is None:
+        ids_text = f"null gives [2, L//2, L-3, L] = {ids} for L = {num_layers}"
+    else:
+        ids_text = str(ids)
     if any(k < 0 or k > num_layers for k in ids):
-        raise LayoutError(f"config key '{key}': {ids} out of range 0..{num_layers} (L)")
+        raise LayoutError(f"config key '{key}': {ids_text}: ids must be in 0..L = {num_layers}")
     if len(set(ids)) != len(ids):
-        raise LayoutError(f"config key '{key}': {ids} has repeated ids (L = {num_layers})")
+        raise LayoutError(f"config key '{key}': {ids_text}: repeated ids")
     if ids[-1] != num_layers:
         raise LayoutError(
-            f"config key '{key}': the last id must be L = {num_layers} (the trainers read the "
-            f"last entry as the last layer before the final norm), got {ids}"
+            f"config key '{key}': {ids_text}: the last id must be L = {num_layers} (the "
+            "trainers read the last entry as the last layer before the final norm)"
         )
     if len(ids) < 2:
         raise LayoutError(f"config key '{key}': needs at least one auxiliary layer before L")

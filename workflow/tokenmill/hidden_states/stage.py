@@ -119,3 +119,82 @@ def main(argv: list[str]) -> int:
         f"{len(manifest['files'])} files, {manifest['bytes']} bytes"
     )
     return 0
+
+
+# ------------------------------------------------------------------------------ plan
+
+
+def dataset_tokens(results: Path, category: str) -> int | None:
+    """Tokens of a category's merged shards (exact), or None before merge has run."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    files = sorted((results / "dataset" / category).glob("*.parquet"))
+    if not files:
+        return None
+    return sum(int(pc.sum(pq.read_table(f, columns=["num_total_tokens"])[0]).as_py() or 0)
+               for f in files)  # fmt: skip
+
+
+def estimate(settings: Settings, basedir, expected_tokens: dict[str, int]) -> dict | None:
+    """What the stage will write, per category and layout: tokens x layers x H x dtype bytes
+    (+ the int64 ids and masks; container headers and the rows folder not counted). Tokens: the
+    merged shards' when merge has run, else `expected_tokens` (the plan's prompt + expected
+    output tokens). None when the stage is off."""
+    hs = settings.hidden_states
+    if not hs.enabled:
+        return None
+    try:
+        shape, layers = plan_layers(settings, basedir)
+    except layout.LayoutError as exc:
+        return {"error": str(exc)}
+    per_token = {
+        lay: layout.bytes_per_token(lay, len(layers), shape.hidden_size, shape.dtype_bytes)
+        for lay in hs.layouts
+    }
+    rows = []
+    results = Path(basedir) / settings.results_dir
+    for category in sorted(settings.categories):
+        exact = dataset_tokens(results, category)
+        tokens = exact if exact is not None else int(expected_tokens.get(category, 0))
+        rows.append(
+            {
+                "category": category,
+                "tokens": tokens,
+                "tokens_from": "merged shards" if exact is not None else "plan estimate",
+                "bytes": {lay: tokens * n for lay, n in per_token.items()},
+            }
+        )
+    return {
+        "layer_ids": layers,
+        "hidden_size": shape.hidden_size,
+        "dtype": shape.dtype,
+        "bytes_per_token": per_token,
+        "categories": rows,
+        "total_bytes": sum(sum(r["bytes"].values()) for r in rows),
+    }
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_estimate(est: dict | None) -> list[str]:
+    """The plan's lines for the stage (none when it is off)."""
+    if est is None:
+        return []
+    if "error" in est:
+        return [f"hidden_states: cannot estimate: {est['error']}"]
+    lays = list(est["bytes_per_token"])
+    lines = [
+        f"hidden_states: layers {est['layer_ids']}, H {est['hidden_size']}, {est['dtype']}; "
+        + ", ".join(f"{lay} {n} B/token" for lay, n in est["bytes_per_token"].items())
+    ]
+    for r in est["categories"]:
+        sizes = ", ".join(f"{lay} {_size(r['bytes'][lay])} ({r['bytes'][lay]} B)" for lay in lays)
+        lines.append(f"  {r['category']}: {r['tokens']} tokens ({r['tokens_from']}): {sizes}")
+    lines.append(f"  total: {_size(est['total_bytes'])} ({est['total_bytes']} B)")
+    return lines
