@@ -120,9 +120,9 @@ def clean_leftovers(out_dir: Path, keep: set[str] | None = None) -> list[str]:
 
 
 def write_rows_folder(out_dir: Path, rows, fingerprint: str) -> list[str]:
-    """speculators' rows: a `datasets` save_to_disk folder (input_ids, loss_mask, seq_len),
-    written beside its hidden_states/ folder. The dataset's fingerprint is fixed (the shard's
-    content hash) so state.json is deterministic."""
+    """speculators' rows: a `datasets` save_to_disk folder (input_ids, loss_mask, seq_len; torch
+    format), written beside its hidden_states/ folder. The dataset's fingerprint is fixed (the
+    shard's content hash) so state.json is deterministic."""
     import datasets
     import pyarrow as pa
 
@@ -134,6 +134,8 @@ def write_rows_folder(out_dir: Path, rows, fingerprint: str) -> list[str]:
         }
     )
     ds = datasets.Dataset(datasets.table.InMemoryTable(table), fingerprint=fingerprint)
+    ds.set_format(type="torch")  # as speculators' own prepare-data saves it (its loader
+    # compares token_ids with input_ids as tensors)
     final = out_dir / "speculators"
     final.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f".tmp-rows-{os.getpid()}"
