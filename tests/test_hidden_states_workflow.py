@@ -15,7 +15,8 @@ import yaml
 from helpers import copy_run, failed, snakemake, tool_env
 
 BIN = Path(sys.executable).parent
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+# The demo run (shared, once per session) and this one: 11 model loads on a loaded CI machine.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def tokenmill(workdir: Path, *args: str) -> subprocess.CompletedProcess:
@@ -40,7 +41,7 @@ def hs_run(demo_workdir, tmp_path_factory):
     assert plan.returncode == 0, plan.stderr
     dry = snakemake(work, "--configfile", "hs.yaml", "-n")
     assert dry.returncode == 0, failed(dry)
-    proc = snakemake(work, "--configfile", "hs.yaml")
+    proc = snakemake(work, "--configfile", "hs.yaml", timeout=1500)
     assert proc.returncode == 0, failed(proc)
     return work, json.loads(plan.stdout), dry.stdout + dry.stderr
 

@@ -224,6 +224,11 @@ def hidden_states_dir(wildcards):
     return res(f"hidden_states/{wildcards.category}/{wildcards.shard}")
 
 
+def hidden_states_log_dir(wildcards):
+    """The hidden_states job's engine log folder (backend vllm)."""
+    return res(f"logs/hidden_states/{wildcards.category}/{wildcards.shard}")
+
+
 def generate_log_dir(wildcards):
     """The generate job's log folder (client log, engine log)."""
     return res(f"logs/generate/{wildcards.category}/{wildcards.shard}")

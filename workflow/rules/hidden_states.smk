@@ -25,8 +25,9 @@ rule extract_hidden_states:
         hidden_states=hidden_states_json,
         model=hidden_states_model,
         out_dir=hidden_states_dir,
+        log_dir=hidden_states_log_dir,
     shell:
         "tokenmill hidden-states --category {wildcards.category:q} --shard {wildcards.shard}"
         " --dataset {input.dataset:q} --out-dir {params.out_dir:q}"
         ' --config-json "$TOKENMILL_CONFIG_JSON" --journal-dir "$TOKENMILL_JOURNAL_DIR"'
-        " > {log:q} 2>&1"
+        " --log-dir {params.log_dir:q} > {log:q} 2>&1"

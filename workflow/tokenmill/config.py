@@ -117,21 +117,21 @@ def check_semantics(config: Settings | dict, basedir: str | Path = ".") -> None:
 
 
 def hidden_states_problems(s: Settings, base: Path) -> list[str]:
-    """hidden_states (when enabled): a model whose config.json is here, layer ids it has."""
+    """hidden_states (when enabled): a model whose config.json is here, layer ids it has, what
+    the vllm backend needs (a launch command, or external URLs)."""
     hs = s.hidden_states
     if not hs.enabled:
         return []
     from tokenmill.hidden_states import layout, stage
 
-    if hs.backend != "hf":
-        return [f"config key 'hidden_states.backend': {hs.backend!r} is not built yet (use hf)"]
+    problems = stage.backend_problems(s)
     try:
         stage.plan_layers(s, base)
     except layout.LayoutError as exc:
-        return [
+        problems.append(
             str(exc) if "config key" in str(exc) else f"config key 'hidden_states.model': {exc}"
-        ]
-    return []
+        )
+    return problems
 
 
 # Top-level keys that say where or how to run, not what to produce.

@@ -81,6 +81,9 @@ class HFBackend:
             if todo.intersection(batch):
                 yield from (r for r in self._forward(batch, rows) if r.index in todo)
 
+    def close(self) -> None:
+        return None
+
     def _forward(self, batch: list[int], rows: dict[int, list[int]]) -> Iterable[RowStates]:
         torch = self._torch
         width = max(len(rows[i]) for i in batch)

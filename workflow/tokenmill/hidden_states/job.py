@@ -22,6 +22,7 @@ Order of work:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -179,11 +180,13 @@ def run_shard(
     )  # fmt: skip
     t0 = time.monotonic()
     tokens = 0
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(journal.close)
         if todo:
             import torch
 
             backend = backend_factory()
+            stack.callback(backend.close)
             all_ids = {i: r[0].tolist() for i, r in enumerate(rows)}
             for rs in backend.run(all_ids, todo, batch_tokens, max_batch_rows):
                 ids, mask = rows[rs.index]
@@ -207,8 +210,6 @@ def run_shard(
                     files[rel] = [len(data), hashlib.sha256(data).hexdigest()]
                 journal.add(rs.index, keys[rs.index], files)
                 tokens += len(ids)
-    finally:
-        journal.close()
     wall = time.monotonic() - t0
     if todo:
         log.info("%d rows, %d tokens in %.1f s", len(todo), tokens, wall)

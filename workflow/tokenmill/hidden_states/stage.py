@@ -68,18 +68,34 @@ def job_resources(settings: Settings, attempt: int = 1) -> dict:
     }
 
 
-def backend_factory(settings: Settings, basedir, layers: list[int]):
+def backend_factory(settings: Settings, basedir, layers: list[int], out_dir: Path, log_dir: Path):
+    """A callable that starts the configured backend (only called when a row is left to do)."""
     hs = settings.hidden_states
-    if hs.backend != "hf":
-        raise ConfigError(f"config key 'hidden_states.backend': {hs.backend!r} is not built yet")
+    where = layout.model_dir(model_name(settings), basedir, settings.generation.revision)
 
     def make():
+        if hs.backend == "vllm":
+            from tokenmill.hidden_states.vllm_backend import VLLMBackend
+
+            scratch = out_dir / ".vllm-scratch"
+            return VLLMBackend(settings, basedir, where, layers, scratch, log_dir)
         from tokenmill.hidden_states.hf import HFBackend
 
-        where = layout.model_dir(model_name(settings), basedir, settings.generation.revision)
         return HFBackend(str(where), layers, hs.device)
 
     return make
+
+
+def backend_problems(settings: Settings) -> list[str]:
+    """What the vLLM backend needs beyond the schema (for check-config)."""
+    hs = settings.hidden_states
+    if hs.backend != "vllm":
+        return []
+    if hs.mode == "managed" and not hs.launch.command:
+        return ["config key 'hidden_states.launch.command': required for backend vllm (managed)"]
+    if hs.mode == "external" and not hs.external.urls:
+        return ["config key 'hidden_states.external.urls': required for backend vllm (external)"]
+    return []
 
 
 def main(argv: list[str]) -> int:
@@ -91,22 +107,35 @@ def main(argv: list[str]) -> int:
     p.add_argument("--config-json", required=True)
     p.add_argument("--journal-dir", required=True, type=Path)
     p.add_argument("--basedir", default=".", type=Path)
+    p.add_argument(
+        "--log-dir", type=Path, help="the engine's log (vllm); default: beside the journal"
+    )
     a = p.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(levelname)s %(message)s")
     try:
         settings = load_section(a.config_json, None)
         fp = fingerprint(settings, a.basedir)
-        factory = backend_factory(settings, a.basedir, fp["layers"])
+        problems = backend_problems(settings)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        factory = backend_factory(
+            settings,
+            a.basedir,
+            fp["layers"],
+            a.out_dir,
+            a.log_dir or a.journal_dir / STAGE / a.category / f"{a.shard}-logs",
+        )
     except (ConfigError, layout.LayoutError) as exc:
         print(f"tokenmill hidden-states: {exc}", file=sys.stderr)
         return 1
     hs = settings.hidden_states
+    journal = a.journal_dir / STAGE / a.category / f"{a.shard}.jsonl"
     manifest = job.run_shard(
         category=a.category,
         shard=a.shard,
         dataset=a.dataset,
         out_dir=a.out_dir,
-        journal_path=a.journal_dir / STAGE / a.category / f"{a.shard}.jsonl",
+        journal_path=journal,
         backend_factory=factory,
         fingerprint=fp,
         layouts=tuple(hs.layouts),
