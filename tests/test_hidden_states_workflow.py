@@ -70,7 +70,10 @@ def test_plan_bytes_match_what_was_written(hs_run):
         ]
         assert row["tokens"] == sum(m["tokens"] for m in manifests)
         nrows = sum(m["rows"] for m in manifests)
-        for lay, prefix in (("speculators", "speculators/hidden_states/"), ("specforge", "spec")):
+        for lay, prefix in (
+            ("speculators", "speculators/hidden_states/"),
+            ("specforge", "specforge/"),
+        ):
             written = sum(
                 f["size"] for m in manifests for f in m["files"] if f["path"].startswith(prefix)
             )
