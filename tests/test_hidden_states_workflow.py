@@ -70,15 +70,16 @@ def test_plan_bytes_match_what_was_written(hs_run):
         ]
         assert row["tokens"] == sum(m["tokens"] for m in manifests)
         nrows = sum(m["rows"] for m in manifests)
-        for lay, prefix in (
-            ("speculators", "speculators/hidden_states/"),
-            ("specforge", "specforge/"),
+        # the formula counts the tensors; each file adds its container's header and alignment
+        # (safetensors: its JSON header; torch.save: a zip of 64-byte aligned records)
+        for lay, prefix, overhead in (
+            ("speculators", "speculators/hidden_states/", 1024),
+            ("specforge", "specforge/", 4096),
         ):
             written = sum(
                 f["size"] for m in manifests for f in m["files"] if f["path"].startswith(prefix)
             )
-            # the formula counts the tensors; each file adds its header (< 1 kB here)
-            assert row["bytes"][lay] <= written <= row["bytes"][lay] + 1024 * nrows, lay
+            assert row["bytes"][lay] <= written <= row["bytes"][lay] + overhead * nrows, lay
 
 
 def test_provenance_lists_every_file_and_verify_checks_them(hs_run, tmp_path):
