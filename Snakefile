@@ -19,6 +19,11 @@ include: "workflow/rules/generate.smk"
 include: "workflow/rules/dataset.smk"
 
 
+if SETTINGS.hidden_states.enabled:
+
+    include: "workflow/rules/hidden_states.smk"
+
+
 localrules:
     summarize_stats,
     write_dataset_card,

@@ -22,7 +22,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "workflow" / "tokenmill"
 
 SHARED = {"contracts", "guards", "keys", "launch_flags", "settings", "model", "redaction"}
-STAGES = {"prepare", "tokenization", "generate", "dataset", "provenance"}
+STAGES = {"prepare", "tokenization", "generate", "dataset", "provenance", "hidden_states"}
 TOP = {"cli", "config", "run_summary", "workflow_support", "__main__"}
 TOOLING = {"testing"}  # demo and test tooling: may use anything, nothing in production uses it
 

@@ -191,6 +191,8 @@ def final_outputs():
         outputs += draft_vocab_summary() + draft_vocab_files()
     if SETTINGS.dataset.export_jsonl:
         outputs += all_shard_files("export/{category}/{shard}.jsonl")
+    if SETTINGS.hidden_states.enabled:
+        outputs += all_shard_files("hidden_states/{category}/{shard}/manifest.json")
     outputs += [
         res("stats/summary.json"),
         res("dataset/README.md"),
@@ -199,6 +201,34 @@ def final_outputs():
     if SETTINGS.reproduce:
         outputs.append(res("reproduce/report.json"))
     return outputs
+
+
+def hidden_states_resource(name):
+    """One SLURM resource of a hidden_states job, per attempt."""
+    from tokenmill.hidden_states.stage import job_resources as hs_job_resources
+
+    def value(wildcards, attempt):
+        return hs_job_resources(SETTINGS, attempt)[name]
+
+    return value
+
+
+def hidden_states_json(wildcards=None):
+    """The hidden_states keys that shape its files (the rule's rerun trigger)."""
+    return json.dumps(outputs_config(SETTINGS).get("hidden_states"), sort_keys=True)
+
+
+def hidden_states_model(wildcards=None):
+    return SETTINGS.hidden_states.model or SETTINGS.generation.model
+
+
+def hidden_states_dir(wildcards):
+    return res(f"hidden_states/{wildcards.category}/{wildcards.shard}")
+
+
+def hidden_states_log_dir(wildcards):
+    """The hidden_states job's engine log folder (backend vllm)."""
+    return res(f"logs/hidden_states/{wildcards.category}/{wildcards.shard}")
 
 
 def generate_log_dir(wildcards):

@@ -21,6 +21,10 @@ COMMANDS = {
     ),
     "merge": ("tokenmill.dataset.merge", "tokenized + generated shard -> validated training shard"),
     "export-jsonl": ("tokenmill.dataset.export", "dataset shard -> JSONL of input_ids/loss_mask"),
+    "hidden-states": (
+        "tokenmill.hidden_states.stage",
+        "dataset shard -> the target model's hidden states of its rows",
+    ),
     "draft-vocab": ("tokenmill.dataset.draft_vocab", "token counts -> EAGLE-3 draft vocabulary"),
     "stats": ("tokenmill.dataset.stats", "summary statistics, tables and plots"),
     "card": ("tokenmill.dataset.card", "write the dataset card (README.md) of results/dataset"),

@@ -178,12 +178,33 @@ def check_semantics(config: Settings | dict, basedir: str | Path = ".") -> None:
     from tokenmill.generate import resources
 
     problems += resources.problems(s)
+    problems += hidden_states_problems(s, base)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
+def hidden_states_problems(s: Settings, base: Path) -> list[str]:
+    """hidden_states (when enabled): a model whose config.json is here, layer ids it has, what
+    the vllm backend needs (a launch command, or external URLs)."""
+    hs = s.hidden_states
+    if not hs.enabled:
+        return []
+    from tokenmill.hidden_states import layout, stage
+
+    problems = stage.backend_problems(s)
+    try:
+        stage.plan_layers(s, base)
+    except layout.LayoutError as exc:
+        problems.append(
+            str(exc) if "config key" in str(exc) else f"config key 'hidden_states.model': {exc}"
+        )
+    return problems
+
+
 # Top-level keys that say where or how to run, not what to produce.
 OPERATIONAL_TOP_KEYS = ("journal_dir", "reject_limits")
+# The hidden_states keys that shape its files (the others say how or where it runs).
+HIDDEN_STATES_KEYS = ("enabled", "backend", "model", "layers", "layouts")
 
 
 def job_environment(config: Settings | dict, configfiles=()) -> dict[str, str]:
@@ -207,6 +228,10 @@ def outputs_config(config: Settings | dict) -> dict:
     config = as_settings(config)
     view = {k: v for k, v in config.raw.items() if k not in OPERATIONAL_TOP_KEYS}
     view["generation"] = {"fingerprint": generation_fingerprint(config.generation)}
+    # The hidden_states section counts only when the stage runs, and only what shapes its files.
+    view.pop("hidden_states", None)
+    if config.hidden_states.enabled:
+        view["hidden_states"] = {k: config.hidden_states.raw[k] for k in HIDDEN_STATES_KEYS}
     return view
 
 

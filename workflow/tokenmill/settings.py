@@ -32,7 +32,7 @@ import yaml
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 
 # Top-level keys whose value is a section with its own settings class (see load_section).
-SECTIONS = ("tokenizer", "generation", "dataset", "categories")
+SECTIONS = ("tokenizer", "generation", "dataset", "categories", "hidden_states")
 
 
 class ConfigError(ValueError):
@@ -391,6 +391,34 @@ class DatasetSettings(_Section):
     draft_vocab_force_stop_ids: bool
 
 
+@dataclass(frozen=True)
+class HiddenStatesLaunchSettings(_Section):
+    raw: dict = field(repr=False, compare=False)
+    command: tuple[str, ...] | None  # required for a managed vllm backend (a semantic check)
+    host: str
+    startup_timeout_s: float
+    env: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class HiddenStatesSettings(_Section):
+    """The optional hidden_states stage (tokenmill/hidden_states/)."""
+
+    raw: dict = field(repr=False, compare=False)
+    enabled: bool
+    backend: str  # hf | vllm
+    model: str | None  # None: generation.model
+    layers: tuple[int, ...] | None  # None: the default ids for the model's layer count
+    layouts: tuple[str, ...]
+    batch_tokens: int
+    max_batch_rows: int
+    device: str
+    mode: str
+    launch: HiddenStatesLaunchSettings = _nested(HiddenStatesLaunchSettings)
+    external: ExternalSettings = _nested(ExternalSettings)
+    resources: Mapping[str, Any]  # only the keys it overrides in generation.resources
+
+
 def _categories(raw: Mapping) -> Mapping[str, CategorySettings]:
     return MappingProxyType({name: CategorySettings.from_raw(c) for name, c in raw.items()})
 
@@ -409,6 +437,7 @@ class Settings:
     reproduce: str | None
     dataset: DatasetSettings
     reject_limits: RejectLimitsSettings
+    hidden_states: HiddenStatesSettings
 
     @classmethod
     def from_config(cls, config: Mapping) -> Settings:
@@ -430,6 +459,7 @@ class Settings:
             reproduce=raw["reproduce"],
             dataset=DatasetSettings.from_raw(raw["dataset"]),
             reject_limits=RejectLimitsSettings.from_raw(raw["reject_limits"]),
+            hidden_states=HiddenStatesSettings.from_raw(raw["hidden_states"]),
         )
 
     def resources(self, category: str | None = None) -> ResourceSettings:
@@ -444,6 +474,15 @@ def effective_resources(
     """generation.resources with the overrides of a category's `resources` (if any)."""
     merged = {**generation.resources.raw, **thaw((category and category.resources) or {})}
     return ResourceSettings.from_raw(merged)
+
+
+def hidden_states_resources(
+    generation: GenerationSettings, hidden_states: HiddenStatesSettings
+) -> ResourceSettings:
+    """The hidden_states jobs' resources: generation.resources with hidden_states.resources."""
+    return ResourceSettings.from_raw(
+        {**generation.resources.raw, **thaw(hidden_states.resources or {})}
+    )
 
 
 def as_settings(config: Settings | Mapping) -> Settings:
@@ -467,6 +506,7 @@ _SECTION_CLASSES = {
     "generation": GenerationSettings,
     "dataset": DatasetSettings,
     "reject_limits": RejectLimitsSettings,
+    "hidden_states": HiddenStatesSettings,
 }
 
 

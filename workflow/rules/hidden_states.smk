@@ -1,0 +1,33 @@
+# The optional hidden_states stage (hidden_states.enabled): one job per dataset shard, on SLURM
+# a GPU job like generate. The row files are not Snakemake outputs (Snakemake deletes a failed
+# job's outputs): the job resumes from its journal and writes manifest.json last.
+rule extract_hidden_states:
+    input:
+        dataset=dataset_shard,
+    output:
+        manifest=res("hidden_states/{category}/{shard}/manifest.json"),
+    log:
+        res("logs/hidden_states/{category}/{shard}.log"),
+    benchmark:
+        res("benchmarks/hidden_states/{category}/{shard}.tsv")
+    resources:
+        gpu=hidden_states_resource("gpu"),
+        gpu_model=hidden_states_resource("gpu_model"),
+        nodes=hidden_states_resource("nodes"),
+        cpus_per_task=hidden_states_resource("cpus_per_task"),
+        mem_mb=hidden_states_resource("mem_mb"),
+        runtime=hidden_states_resource("runtime"),
+        qos=hidden_states_resource("qos"),
+        constraint=hidden_states_resource("constraint"),
+    # Rerun on what shapes the files; batch sizes, device and resources come from the
+    # environment's config (see common.smk).
+    params:
+        hidden_states=hidden_states_json,
+        model=hidden_states_model,
+        out_dir=hidden_states_dir,
+        log_dir=hidden_states_log_dir,
+    shell:
+        "tokenmill hidden-states --category {wildcards.category:q} --shard {wildcards.shard}"
+        " --dataset {input.dataset:q} --out-dir {params.out_dir:q}"
+        ' --config-json "$TOKENMILL_CONFIG_JSON" --journal-dir "$TOKENMILL_JOURNAL_DIR"'
+        " --log-dir {params.log_dir:q} > {log:q} 2>&1"

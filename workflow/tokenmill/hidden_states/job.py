@@ -1,0 +1,281 @@
+"""One hidden_states job: every kept row of one dataset shard, exactly once across kills.
+
+Order of work:
+1. read the shard's rows (row i = the i-th row of the dataset shard, see layout.py);
+2. open the shard's journal (`{journal_dir}/hidden_states/{category}/{shard}.jsonl`, outside
+   the results: Snakemake deletes a failed job's outputs). Its first line is the stage
+   fingerprint (model weights, layer ids, dtype, backend); a journal of another fingerprint is
+   started afresh. Each later line is one finished row: {i, key (a hash of its input_ids and
+   loss_mask), files {path: [size, sha256]}};
+3. a row is done when the journal lists it with the same key and each of its files exists
+   with the journaled size; every other row is computed, its files written atomically
+   (temporary file, fsync, rename), then its journal line appended and fsynced. A kill between
+   a rename and the journal line leaves a complete file that the next run rewrites with the
+   same bytes: one file per row, never a partial one. The backend cuts its batches from all
+   rows of the shard, so a row is computed in the same batch whether or not the job was
+   killed before (hf.py): a resumed job writes the bytes of an uninterrupted one;
+4. files of no current row (a shard that shrank), temporary files and `.lock` files are
+   removed; the speculators rows folder is written (save_to_disk, deterministic);
+5. manifest.json (the rule's output, written last and atomically) lists every file with its
+   size and sha256.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from tokenmill import contracts
+from tokenmill.hidden_states import layout
+
+log = logging.getLogger("tokenmill.hidden_states")
+
+
+def row_key(input_ids, loss_mask) -> str:
+    h = hashlib.sha256()
+    h.update(input_ids.astype("<i8").tobytes())
+    h.update(b"\0")
+    h.update(loss_mask.astype("<i8").tobytes())
+    return h.hexdigest()[:24]
+
+
+def read_rows(dataset: Path):
+    """(input_ids, loss_mask) numpy arrays of every row of a dataset shard, in file order."""
+    t = pq.read_table(dataset, columns=["input_ids", "loss_mask"])
+    ids, ioff = contracts.list_arrays(t.column("input_ids"), dtype="<i8")
+    mask, moff = contracts.list_arrays(t.column("loss_mask"), dtype="<i8")
+    return [(ids[ioff[i] : ioff[i + 1]], mask[moff[i] : moff[i + 1]]) for i in range(t.num_rows)]
+
+
+class Journal:
+    """The shard's finished rows (see the module docstring), append-only."""
+
+    def __init__(self, path: Path, fingerprint: dict):
+        self.path = path
+        self.fingerprint = fingerprint
+        self.done: dict[int, dict] = {}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        header = contracts.canonical_json({"fingerprint": fingerprint})
+        lines = path.read_text().splitlines() if path.exists() else []
+        if lines and lines[0] == header:
+            for line in lines[1:]:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a line torn by a kill: its row is recomputed
+                self.done[rec["i"]] = rec
+        else:
+            if lines:
+                log.info("journal %s: another fingerprint, starting afresh", path)
+            contracts_tmp = contracts.atomic_path(path)
+            contracts_tmp.write_text(header + "\n")
+            os.replace(contracts_tmp, path)
+        self._fh = open(path, "a")  # noqa: SIM115 - closed by close()
+
+    def add(self, i: int, key: str, files: dict[str, list]) -> None:
+        rec = {"i": i, "key": key, "files": files}
+        self._fh.write(contracts.canonical_json(rec) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self.done[i] = rec
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def is_done(rec: dict | None, key: str, out_dir: Path, wanted: list[str]) -> bool:
+    if rec is None or rec.get("key") != key or sorted(rec.get("files", {})) != sorted(wanted):
+        return False
+    for rel, (size, _sha) in rec["files"].items():
+        p = out_dir / rel
+        if not p.is_file() or p.stat().st_size != size:
+            return False
+    return True
+
+
+def clean_leftovers(out_dir: Path, keep: set[str] | None = None) -> list[str]:
+    """Remove temporary and lock files (and, given `keep`, every file not in it)."""
+    removed = []
+    if not out_dir.is_dir():
+        return removed
+    for p in sorted(out_dir.rglob("*")):
+        if not p.is_file():
+            continue
+        rel = p.relative_to(out_dir).as_posix()
+        stale = keep is not None and rel not in keep and rel != layout.MANIFEST
+        if layout.is_leftover(p.name) or stale:
+            p.unlink()
+            removed.append(rel)
+    for d in sorted((p for p in out_dir.rglob("*") if p.is_dir()), reverse=True):
+        if not any(d.iterdir()):
+            d.rmdir()
+    return removed
+
+
+def write_rows_folder(out_dir: Path, rows, fingerprint: str) -> list[str]:
+    """speculators' rows: a `datasets` save_to_disk folder (input_ids, loss_mask, seq_len; torch
+    format), written beside its hidden_states/ folder. The dataset's fingerprint is fixed (the
+    shard's content hash) so state.json is deterministic."""
+    import datasets
+    import pyarrow as pa
+
+    table = pa.table(
+        {
+            "input_ids": pa.array([r[0] for r in rows], type=pa.list_(pa.int64())),
+            "loss_mask": pa.array([r[1] for r in rows], type=pa.list_(pa.int64())),
+            "seq_len": pa.array([len(r[0]) for r in rows], type=pa.int64()),
+        }
+    )
+    ds = datasets.Dataset(datasets.table.InMemoryTable(table), fingerprint=fingerprint)
+    ds.set_format(type="torch")  # as speculators' own prepare-data saves it (its loader
+    # compares token_ids with input_ids as tensors)
+    final = out_dir / "speculators"
+    final.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / f".tmp-rows-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    datasets.disable_progress_bars()
+    ds.save_to_disk(str(tmp))
+    names = sorted(p.name for p in tmp.iterdir())
+    for name in names:
+        os.replace(tmp / name, final / name)
+    tmp.rmdir()
+    return [f"speculators/{n}" for n in names]
+
+
+def run_shard(
+    *,
+    category: str,
+    shard: str,
+    dataset: Path,
+    out_dir: Path,
+    journal_path: Path,
+    backend_factory,
+    fingerprint: dict,
+    layouts: tuple[str, ...],
+    batch_tokens: int,
+    max_batch_rows: int,
+    describe: dict,
+) -> dict:
+    """Write the shard's files (see the module docstring); returns the manifest."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(out_dir)
+    rows = read_rows(dataset)
+    keys = [row_key(ids, mask) for ids, mask in rows]
+    journal = Journal(journal_path, fingerprint)
+    wanted = {i: [layout.row_path(lay, i) for lay in layouts] for i in range(len(rows))}
+    todo = [
+        i for i in range(len(rows)) if not is_done(journal.done.get(i), keys[i], out_dir, wanted[i])
+    ]
+    log.info(
+        "%s/%s: %d rows, %d already done, %d to compute",
+        category, shard, len(rows), len(rows) - len(todo), len(todo),
+    )  # fmt: skip
+    t0 = time.monotonic()
+    tokens = 0
+    with contextlib.ExitStack() as stack:
+        stack.callback(journal.close)
+        if todo:
+            import torch
+
+            backend = backend_factory()
+            stack.callback(backend.close)
+            all_ids = {i: r[0].tolist() for i, r in enumerate(rows)}
+            for rs in backend.run(all_ids, todo, batch_tokens, max_batch_rows):
+                ids, mask = rows[rs.index]
+                files = {}
+                for lay in layouts:
+                    t_ids = torch.from_numpy(ids.copy())
+                    if lay == "speculators":
+                        data = layout.speculators_bytes(t_ids, rs.states)
+                    else:
+                        n, h = rs.states.shape[1], rs.states.shape[2]
+                        aux = rs.states[:, :-1].reshape(-1, (n - 1) * h)
+                        data = layout.specforge_bytes(
+                            t_ids,
+                            torch.from_numpy(mask.copy()),
+                            rs.normed_last.unsqueeze(0),
+                            aux.unsqueeze(0),
+                        )
+                    rel = layout.row_path(lay, rs.index)
+                    (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+                    layout.write_atomic(out_dir / rel, data)
+                    files[rel] = [len(data), hashlib.sha256(data).hexdigest()]
+                journal.add(rs.index, keys[rs.index], files)
+                tokens += len(ids)
+    wall = time.monotonic() - t0
+    if todo:
+        log.info("%d rows, %d tokens in %.1f s", len(todo), tokens, wall)
+    keep = {rel for rels in wanted.values() for rel in rels}
+    if "speculators" in layouts:
+        keep |= {f"speculators/{n}" for n in layout.ROWS_FILES}
+    removed = clean_leftovers(out_dir, keep)
+    if removed:
+        log.info("removed %d stale or temporary files", len(removed))
+    shard_hash = hashlib.sha256("".join(keys).encode()).hexdigest()[:32]
+    if "speculators" in layouts:
+        write_rows_folder(out_dir, rows, shard_hash)
+    files = []
+    for rel in sorted(keep):
+        rec = None
+        i = _row_of(rel)
+        if i is not None:
+            rec = journal.done[i]["files"].get(rel)
+        size, sha = rec if rec else (None, None)
+        p = out_dir / rel
+        if size is None or p.stat().st_size != size:
+            size, sha = p.stat().st_size, contracts.sha256_file(p)
+        files.append({"path": rel, "size": size, "sha256": sha})
+    manifest = {
+        "schema": layout.MANIFEST_SCHEMA,
+        "category": category,
+        "shard": shard,
+        "rows": len(rows),
+        "tokens": int(sum(len(r[0]) for r in rows)),
+        "rows_key": shard_hash,
+        "fingerprint": fingerprint,
+        "layouts": list(layouts),
+        **describe,
+        "bytes": sum(f["size"] for f in files),
+        "files": files,
+    }
+    layout.write_atomic(
+        out_dir / layout.MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
+    )
+    return manifest
+
+
+def _row_of(rel: str) -> int | None:
+    name = rel.rsplit("/", 1)[-1]
+    for prefix in ("hs_", "data_"):
+        if name.startswith(prefix) and (
+            rel.startswith("speculators/hidden_states/") or (rel.startswith("specforge/"))
+        ):
+            return int(name[len(prefix) :].split(".")[0])
+    return None
+
+
+def verify_shard(out_dir: Path) -> list[str]:
+    """Problems of a shard folder against its manifest (missing, size or sha256 differs,
+    files it does not list)."""
+    manifest = json.loads((out_dir / layout.MANIFEST).read_text())
+    problems = []
+    listed = {f["path"]: f for f in manifest["files"]}
+    for rel, f in sorted(listed.items()):
+        p = out_dir / rel
+        if not p.is_file():
+            problems.append(f"missing: {rel}")
+        elif p.stat().st_size != f["size"] or contracts.sha256_file(p) != f["sha256"]:
+            problems.append(f"differs: {rel}")
+    for p in sorted(out_dir.rglob("*")):
+        rel = p.relative_to(out_dir).as_posix()
+        if p.is_file() and rel not in listed and rel != layout.MANIFEST:
+            problems.append(f"not listed: {rel}")
+    return problems

@@ -1,0 +1,229 @@
+"""`tokenmill hidden-states`: one dataset shard -> its rows' hidden states (job.py).
+
+    tokenmill hidden-states --category C --shard 000 --dataset results/dataset/C/000.parquet \
+        --out-dir results/hidden_states/C/000 --config-json CONFIG --journal-dir journal \
+        [--basedir .]
+
+CONFIG is the whole resolved config (inline JSON or a file): hidden_states.* and the model
+(hidden_states.model, else generation.model). Writes the shard folder and, last, its
+manifest.json (layout.py); a killed run resumes from its journal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from tokenmill import model as model_files
+from tokenmill.hidden_states import job, layout
+from tokenmill.settings import ConfigError, Settings, hidden_states_resources, load_section
+
+STAGE = "hidden_states"
+
+
+def model_name(settings: Settings) -> str | None:
+    return settings.hidden_states.model or settings.generation.model
+
+
+def plan_layers(settings: Settings, basedir=".") -> tuple[layout.ModelShape, list[int]]:
+    """The model's shape and the resolved layer ids (LayoutError when they cannot be read)."""
+    shape = layout.model_shape(model_name(settings), basedir, settings.generation.revision)
+    return shape, layout.resolve_layers(settings.hidden_states.layers, shape.num_layers)
+
+
+def fingerprint(settings: Settings, basedir=".") -> dict:
+    """What the stored values depend on: the weights, the layer ids, the dtype, the backend."""
+    shape, layers = plan_layers(settings, basedir)
+    where = layout.model_dir(model_name(settings), basedir, settings.generation.revision)
+    return {
+        "model": model_name(settings),
+        "weights": model_files.weights_fingerprint(where),
+        "layers": layers,
+        "dtype": shape.dtype,
+        "hidden_size": shape.hidden_size,
+        "backend": settings.hidden_states.backend,
+    }
+
+
+def job_resources(settings: Settings, attempt: int = 1) -> dict:
+    """The rule's SLURM resources (one node; generation.resources with hidden_states.resources
+    laid over it): GPUs as generate's one-node jobs ask for them, runtime and memory growing
+    with the attempt up to their caps."""
+    r = hidden_states_resources(settings.generation, settings.hidden_states)
+
+    def capped(value, cap):
+        return min(value, int(cap)) if cap else value
+
+    return {
+        "nodes": 1,
+        "cpus_per_task": r.cpus,
+        "gpu": r.gpus,
+        "gpu_model": r.gpu_model if r.gpus > 0 else None,
+        "runtime": capped(r.runtime_min * attempt, r.max_runtime_min),
+        "mem_mb": capped(r.mem_mb * attempt, r.max_mem_mb),
+        "qos": r.qos,
+        "constraint": r.constraint,
+    }
+
+
+def backend_factory(settings: Settings, basedir, layers: list[int], out_dir: Path, log_dir: Path):
+    """A callable that starts the configured backend (only called when a row is left to do)."""
+    hs = settings.hidden_states
+    where = layout.model_dir(model_name(settings), basedir, settings.generation.revision)
+
+    def make():
+        if hs.backend == "vllm":
+            from tokenmill.hidden_states.vllm_backend import VLLMBackend
+
+            scratch = out_dir / ".vllm-scratch"
+            return VLLMBackend(settings, basedir, where, layers, scratch, log_dir)
+        from tokenmill.hidden_states.hf import HFBackend
+
+        return HFBackend(str(where), layers, hs.device)
+
+    return make
+
+
+def backend_problems(settings: Settings) -> list[str]:
+    """What the vLLM backend needs beyond the schema (for check-config)."""
+    hs = settings.hidden_states
+    if hs.backend != "vllm":
+        return []
+    if hs.mode == "managed" and not hs.launch.command:
+        return ["config key 'hidden_states.launch.command': required for backend vllm (managed)"]
+    if hs.mode == "external" and not hs.external.urls:
+        return ["config key 'hidden_states.external.urls': required for backend vllm (external)"]
+    return []
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="tokenmill hidden-states", description=__doc__.split("\n")[0])
+    p.add_argument("--category", required=True)
+    p.add_argument("--shard", required=True)
+    p.add_argument("--dataset", required=True, type=Path)
+    p.add_argument("--out-dir", required=True, type=Path)
+    p.add_argument("--config-json", required=True)
+    p.add_argument("--journal-dir", required=True, type=Path)
+    p.add_argument("--basedir", default=".", type=Path)
+    p.add_argument(
+        "--log-dir", type=Path, help="the engine's log (vllm); default: beside the journal"
+    )
+    a = p.parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(levelname)s %(message)s")
+    try:
+        settings = load_section(a.config_json, None)
+        fp = fingerprint(settings, a.basedir)
+        problems = backend_problems(settings)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        factory = backend_factory(
+            settings,
+            a.basedir,
+            fp["layers"],
+            a.out_dir,
+            a.log_dir or a.journal_dir / STAGE / a.category / f"{a.shard}-logs",
+        )
+    except (ConfigError, layout.LayoutError) as exc:
+        print(f"tokenmill hidden-states: {exc}", file=sys.stderr)
+        return 1
+    hs = settings.hidden_states
+    journal = a.journal_dir / STAGE / a.category / f"{a.shard}.jsonl"
+    manifest = job.run_shard(
+        category=a.category,
+        shard=a.shard,
+        dataset=a.dataset,
+        out_dir=a.out_dir,
+        journal_path=journal,
+        backend_factory=factory,
+        fingerprint=fp,
+        layouts=tuple(hs.layouts),
+        batch_tokens=hs.batch_tokens,
+        max_batch_rows=hs.max_batch_rows,
+        describe={"layer_ids": fp["layers"], "dtype": fp["dtype"]},
+    )
+    print(
+        f"{a.category}/{a.shard}: {manifest['rows']} rows, {manifest['tokens']} tokens, "
+        f"{len(manifest['files'])} files, {manifest['bytes']} bytes"
+    )
+    return 0
+
+
+# ------------------------------------------------------------------------------ plan
+
+
+def dataset_tokens(results: Path, category: str) -> int | None:
+    """Tokens of a category's merged shards (exact), or None before merge has run."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    files = sorted((results / "dataset" / category).glob("*.parquet"))
+    if not files:
+        return None
+    return sum(int(pc.sum(pq.read_table(f, columns=["num_total_tokens"])[0]).as_py() or 0)
+               for f in files)  # fmt: skip
+
+
+def estimate(settings: Settings, basedir, expected_tokens: dict[str, int]) -> dict | None:
+    """What the stage will write, per category and layout: tokens x layers x H x dtype bytes
+    (+ the int64 ids and masks; container headers and the rows folder not counted). Tokens: the
+    merged shards' when merge has run, else `expected_tokens` (the plan's prompt + expected
+    output tokens). None when the stage is off."""
+    hs = settings.hidden_states
+    if not hs.enabled:
+        return None
+    try:
+        shape, layers = plan_layers(settings, basedir)
+    except layout.LayoutError as exc:
+        return {"error": str(exc)}
+    per_token = {
+        lay: layout.bytes_per_token(lay, len(layers), shape.hidden_size, shape.dtype_bytes)
+        for lay in hs.layouts
+    }
+    rows = []
+    results = Path(basedir) / settings.results_dir
+    for category in sorted(settings.categories):
+        exact = dataset_tokens(results, category)
+        tokens = exact if exact is not None else int(expected_tokens.get(category, 0))
+        rows.append(
+            {
+                "category": category,
+                "tokens": tokens,
+                "tokens_from": "merged shards" if exact is not None else "plan estimate",
+                "bytes": {lay: tokens * n for lay, n in per_token.items()},
+            }
+        )
+    return {
+        "layer_ids": layers,
+        "hidden_size": shape.hidden_size,
+        "dtype": shape.dtype,
+        "bytes_per_token": per_token,
+        "categories": rows,
+        "total_bytes": sum(sum(r["bytes"].values()) for r in rows),
+    }
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_estimate(est: dict | None) -> list[str]:
+    """The plan's lines for the stage (none when it is off)."""
+    if est is None:
+        return []
+    if "error" in est:
+        return [f"hidden_states: cannot estimate: {est['error']}"]
+    lays = list(est["bytes_per_token"])
+    lines = [
+        f"hidden_states: layers {est['layer_ids']}, H {est['hidden_size']}, {est['dtype']}; "
+        + ", ".join(f"{lay} {n} B/token" for lay, n in est["bytes_per_token"].items())
+    ]
+    for r in est["categories"]:
+        sizes = ", ".join(f"{lay} {_size(r['bytes'][lay])} ({r['bytes'][lay]} B)" for lay in lays)
+        lines.append(f"  {r['category']}: {r['tokens']} tokens ({r['tokens_from']}): {sizes}")
+    lines.append(f"  total: {_size(est['total_bytes'])} ({est['total_bytes']} B)")
+    return lines
