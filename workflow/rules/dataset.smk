@@ -147,6 +147,8 @@ rule write_provenance:
         final_outputs_except_provenance,
     output:
         provenance=res("provenance.json"),
+        # the dataset folder's own manifest: the folder one publishes stands alone
+        dataset=res("dataset/provenance.json"),
     log:
         res("logs/provenance.log"),
     # Which --configfile was given is not a rerun trigger either: the resolved config is.
@@ -156,7 +158,7 @@ rule write_provenance:
     shell:
         "tokenmill provenance --results-dir {params.results:q}"
         ' --config-json "$TOKENMILL_CONFIG_JSON" --configfiles-json "$TOKENMILL_CONFIGFILES_JSON"'
-        " --out {output.provenance:q} > {log:q} 2>&1"
+        " --out {output.provenance:q} --dataset-out {output.dataset:q} > {log:q} 2>&1"
 
 
 rule compare_with_manifest:
