@@ -45,14 +45,21 @@ test: lint test-deps
 	exit $$rc
 
 # Packages from apt that the suites need (as root, Debian/Ubuntu): bubblewrap for the container
-# test (tests/test_fake_apptainer.py; under CI=true its absence is a failure). The SLURM suites
-# install theirs through tests/slurm/cluster.sh.
+# test (tests/test_fake_apptainer.py) and chromium for the report test
+# (tests/test_report_browser.py); under CI=true the absence of either is a failure. The SLURM
+# suites install theirs through tests/slurm/cluster.sh.
 test-deps:
 	@if ! command -v bwrap >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		echo "apt-get install bubblewrap"; \
 		export DEBIAN_FRONTEND=noninteractive; \
 		apt-cache show bubblewrap >/dev/null 2>&1 || apt-get update -qq >/dev/null; \
 		apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null; \
+	fi
+	@if ! command -v chromium >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "apt-get install chromium"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-cache show chromium >/dev/null 2>&1 || apt-get update -qq >/dev/null; \
+		apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
 	fi
 
 bench: $(VENV)/.installed
