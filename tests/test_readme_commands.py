@@ -58,6 +58,7 @@ def run_fresh_shell(work: Path, line: str, timeout: int) -> subprocess.Completed
     return subprocess.run(
         ["env", "-i", f"HOME={home}", "PATH=/usr/bin:/bin", "bash", "-c", line],
         cwd=work,
+        stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
         timeout=timeout,
