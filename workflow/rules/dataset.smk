@@ -13,7 +13,7 @@ rule merge_shard:
     benchmark:
         res("benchmarks/merge/{category}/{shard}.tsv")
     conda:
-        "../../envs/dataset.yaml"
+        "../envs/dataset.yaml"
     # The generation section comes from the environment (see common.smk); its fingerprint is
     # the rerun trigger.
     params:
@@ -38,7 +38,7 @@ rule export_jsonl:
     log:
         res("logs/export/{category}/{shard}.log"),
     conda:
-        "../../envs/dataset.yaml"
+        "../envs/dataset.yaml"
     shell:
         "tokenmill export-jsonl --dataset {input.dataset:q} --out {output.jsonl:q} > {log:q} 2>&1"
 
@@ -51,7 +51,7 @@ rule sum_token_counts:
     log:
         res("logs/token_counts/{category}.log"),
     conda:
-        "../../envs/dataset.yaml"
+        "../envs/dataset.yaml"
     shell:
         "tokenmill draft-vocab sum --category {wildcards.category:q} --counts {input.counts:q}"
         " --out {output.counts:q} > {log:q} 2>&1"
@@ -65,7 +65,7 @@ rule sum_all_token_counts:
     log:
         res("logs/token_counts/_all.log"),
     conda:
-        "../../envs/dataset.yaml"
+        "../envs/dataset.yaml"
     shell:
         "tokenmill draft-vocab sum --all --counts {input.counts:q} --out {output.counts:q}"
         " > {log:q} 2>&1"
@@ -82,7 +82,7 @@ rule draft_vocab:
     log:
         res("logs/draft_vocab.log"),
     conda:
-        "../../envs/dataset.yaml"
+        "../envs/dataset.yaml"
     # The stop tokens and the model (the always-included ids, the target vocabulary) are in the
     # generation fingerprint; the section itself comes from the environment (see common.smk).
     params:
@@ -126,7 +126,7 @@ rule summarize_stats:
     log:
         res("logs/stats.log"),
     conda:
-        "../../envs/dataset.yaml"
+        "../envs/dataset.yaml"
     # params.config (the config without operational settings) is the rerun trigger; the
     # command reads the whole resolved config from the environment (see common.smk).
     params:
@@ -147,7 +147,7 @@ rule write_dataset_card:
     log:
         res("logs/card.log"),
     conda:
-        "../../envs/dataset.yaml"
+        "../envs/dataset.yaml"
     params:
         config=outputs_config_json,
         results=results_dir,
@@ -166,7 +166,7 @@ rule write_provenance:
     log:
         res("logs/provenance.log"),
     conda:
-        "../../envs/dataset.yaml"
+        "../envs/dataset.yaml"
     # Which --configfile was given is not a rerun trigger either: the resolved config is.
     params:
         config=outputs_config_json,
@@ -185,7 +185,7 @@ rule compare_with_manifest:
     log:
         res("logs/reproduce.log"),
     conda:
-        "../../envs/dataset.yaml"
+        "../envs/dataset.yaml"
     params:
         manifest=SETTINGS.reproduce or "",
         results=results_dir,

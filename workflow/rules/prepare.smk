@@ -9,7 +9,7 @@ rule prepare_prompts:
     benchmark:
         res("benchmarks/prepare/{category}.tsv")
     conda:
-        "../../envs/prepare.yaml"
+        "../envs/prepare.yaml"
     params:
         category=category_json,
     shell:

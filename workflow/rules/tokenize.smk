@@ -12,7 +12,7 @@ checkpoint tokenize_prompts:
     benchmark:
         res("benchmarks/tokenize/{category}.tsv")
     conda:
-        "../../envs/tokenize.yaml"
+        "../envs/tokenize.yaml"
     threads: workflow.cores
     params:
         tokenizer=tokenizer_json,
