@@ -3,7 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# Rules call the `tokenmill` command: the venv must come first on PATH.
+# The rules find their own package (workflow/rules/common.smk); the venv first on PATH is for
+# the commands the tests run by name (tokenmill, snakemake).
 export PATH := $(abspath $(BIN)):$(PATH)
 export HF_HUB_OFFLINE ?= 1
 
@@ -39,8 +40,9 @@ test: lint test-deps
 	$(BIN)/python tests/run_sessions.py
 
 # Packages from apt that the suites need (as root, Debian/Ubuntu): bubblewrap for the container
-# test (tests/test_fake_apptainer.py; under CI=true its absence is a failure) and the SLURM
-# clusters' packages (tests/slurm/cluster.sh install: once, before both SLURM sessions start).
+# test (tests/test_fake_apptainer.py), chromium for the report test (tests/test_report_browser.py)
+# (under CI=true the absence of either is a failure) and the SLURM clusters' packages
+# (tests/slurm/cluster.sh install: once, before both SLURM sessions start).
 test-deps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		export DEBIAN_FRONTEND=noninteractive; \
@@ -50,6 +52,12 @@ test-deps:
 			apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null; \
 		fi; \
 		bash tests/slurm/cluster.sh install; \
+	fi
+	@if ! command -v chromium >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "apt-get install chromium"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-cache show chromium >/dev/null 2>&1 || apt-get update -qq >/dev/null; \
+		apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
 	fi
 
 bench: $(VENV)/.installed

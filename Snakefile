@@ -12,6 +12,10 @@ if not workflow.overwrite_configfiles:
     configfile: "config.yaml"
 
 
+# The report's landing page: the run's statistics tables (workflow/report/workflow.rst).
+report: "workflow/report/workflow.rst"
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/prepare.smk"
 include: "workflow/rules/tokenize.smk"

@@ -4,6 +4,24 @@ import os
 import re
 import sys
 
+# No activated venv needed (a fresh shell, a SLURM job), no installed package: the package is
+# reached from the workflow's own folder (workflow/tokenmill) here and in every job
+# (PYTHONPATH), and the rules' `tokenmill` is workflow/bin/tokenmill, which runs it with the
+# first python3 on PATH: the interpreter running Snakemake (its folder comes next; on SLURM the
+# job's Snakemake runs the same interpreter from the shared filesystem), or the rule's conda
+# environment (workflow/envs/*.yaml) when Snakemake activates one. Changing neither the rules' shell
+# text nor their params, this reruns nothing.
+_PACKAGE_DIR = os.path.join(workflow.basedir, "workflow")
+if sys.path[0] != _PACKAGE_DIR:
+    sys.path.insert(0, _PACKAGE_DIR)
+for _var, _dirs in (
+    ("PYTHONPATH", [_PACKAGE_DIR]),
+    ("PATH", [os.path.join(_PACKAGE_DIR, "bin"), os.path.dirname(sys.executable)]),
+):
+    _have = os.environ.get(_var, "").split(os.pathsep)
+    if _have[: len(_dirs)] != _dirs:
+        os.environ[_var] = os.pathsep.join([*_dirs, *filter(None, _have)])
+
 from tokenmill import workflow_support as support
 from tokenmill.config import (
     ConfigError,

@@ -12,6 +12,8 @@ rule merge_shard:
         res("logs/merge/{category}/{shard}.log"),
     benchmark:
         res("benchmarks/merge/{category}/{shard}.tsv")
+    conda:
+        "../envs/dataset.yaml"
     # The generation section comes from the environment (see common.smk); its fingerprint is
     # the rerun trigger.
     params:
@@ -35,6 +37,8 @@ rule export_jsonl:
         jsonl=res("export/{category}/{shard}.jsonl"),
     log:
         res("logs/export/{category}/{shard}.log"),
+    conda:
+        "../envs/dataset.yaml"
     shell:
         "tokenmill export-jsonl --dataset {input.dataset:q} --out {output.jsonl:q} > {log:q} 2>&1"
 
@@ -46,6 +50,8 @@ rule sum_token_counts:
         counts=res("token_counts/{category}.parquet"),
     log:
         res("logs/token_counts/{category}.log"),
+    conda:
+        "../envs/dataset.yaml"
     shell:
         "tokenmill draft-vocab sum --category {wildcards.category:q} --counts {input.counts:q}"
         " --out {output.counts:q} > {log:q} 2>&1"
@@ -58,6 +64,8 @@ rule sum_all_token_counts:
         counts=res("token_counts/_all.parquet"),
     log:
         res("logs/token_counts/_all.log"),
+    conda:
+        "../envs/dataset.yaml"
     shell:
         "tokenmill draft-vocab sum --all --counts {input.counts:q} --out {output.counts:q}"
         " > {log:q} 2>&1"
@@ -73,6 +81,8 @@ rule draft_vocab:
         files=draft_vocab_files(),
     log:
         res("logs/draft_vocab.log"),
+    conda:
+        "../envs/dataset.yaml"
     # The stop tokens and the model (the always-included ids, the target vocabulary) are in the
     # generation fingerprint; the section itself comes from the environment (see common.smk).
     params:
@@ -117,6 +127,8 @@ rule summarize_stats:
         ),
     log:
         res("logs/stats.log"),
+    conda:
+        "../envs/dataset.yaml"
     # params.config (the config without operational settings) is the rerun trigger; the
     # command reads the whole resolved config from the environment (see common.smk).
     params:
@@ -136,6 +148,8 @@ rule write_dataset_card:
         card=res("dataset/README.md"),
     log:
         res("logs/card.log"),
+    conda:
+        "../envs/dataset.yaml"
     params:
         config=outputs_config_json,
         results=results_dir,
@@ -149,8 +163,12 @@ rule write_provenance:
         final_outputs_except_provenance,
     output:
         provenance=res("provenance.json"),
+        # the dataset folder's own manifest: the folder one publishes stands alone
+        dataset=res("dataset/provenance.json"),
     log:
         res("logs/provenance.log"),
+    conda:
+        "../envs/dataset.yaml"
     # Which --configfile was given is not a rerun trigger either: the resolved config is.
     params:
         config=outputs_config_json,
@@ -158,7 +176,7 @@ rule write_provenance:
     shell:
         "tokenmill provenance --results-dir {params.results:q}"
         ' --config-json "$TOKENMILL_CONFIG_JSON" --configfiles-json "$TOKENMILL_CONFIGFILES_JSON"'
-        " --out {output.provenance:q} > {log:q} 2>&1"
+        " --out {output.provenance:q} --dataset-out {output.dataset:q} > {log:q} 2>&1"
 
 
 rule compare_with_manifest:
@@ -168,6 +186,8 @@ rule compare_with_manifest:
         report=res("reproduce/report.json"),
     log:
         res("logs/reproduce.log"),
+    conda:
+        "../envs/dataset.yaml"
     params:
         manifest=SETTINGS.reproduce or "",
         results=results_dir,

@@ -15,6 +15,10 @@ rule generate_shard:
         res("logs/generate/{category}/{shard}/attempt.log"),
     benchmark:
         res("benchmarks/generate/{category}/{shard}.tsv")
+    # tee ignores SIGTERM/SIGINT (SLURM signals every process of the job): it keeps copying
+    # until generate itself has written its last line and exits.
+    conda:
+        "../envs/generate.yaml"
     # No `retries:` here: a rule's own count would override the `--retries 0` that the slurm
     # executor gives the Snakemake inside each job, which then retried inside the allocation.
     # The profile's `retries` is the only count (profiles/*/config.yaml).
@@ -37,8 +41,6 @@ rule generate_shard:
         tokenizer=tokenizer_json,
         generation_fingerprint=GENERATION_FINGERPRINT,
         log_dir=generate_log_dir,
-    # tee ignores SIGTERM/SIGINT (SLURM signals every process of the job): it keeps copying
-    # until generate itself has written its last line and exits.
     shell:
         'mkdir -p {params.log_dir:q}; echo "=== tokenmill generate attempt: $(date -u'
         " +%Y-%m-%dT%H:%M:%SZ) host $(hostname) SLURM job ${{SLURM_JOB_ID:-none}} (restart"

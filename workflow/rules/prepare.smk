@@ -8,6 +8,8 @@ rule prepare_prompts:
         res("logs/prepare/{category}.log"),
     benchmark:
         res("benchmarks/prepare/{category}.tsv")
+    conda:
+        "../envs/prepare.yaml"
     params:
         category=category_json,
     shell:

@@ -11,6 +11,8 @@ checkpoint tokenize_prompts:
         res("logs/tokenize/{category}.log"),
     benchmark:
         res("benchmarks/tokenize/{category}.tsv")
+    conda:
+        "../envs/tokenize.yaml"
     threads: workflow.cores
     params:
         tokenizer=tokenizer_json,

@@ -39,6 +39,13 @@ Schema "tokenmill.provenance/1" (keys sorted on disk):
                       dtype, layouts and fingerprint; its files are in `outputs` (their sha256
                       taken from the shard's manifest.json when the size agrees)
 
+The dataset folder's own manifest (`--dataset-out results/dataset/provenance.json`, written by
+the same command) holds the same keys, so the folder one publishes stands alone: `outputs`
+lists the files of the dataset folder (paths relative to it), `run_outputs` the run's
+`outputs` above (what a reproduction compares), and `scope` is "dataset".
+`tokenmill verify results/dataset` and `tokenmill reproduce-config
+results/dataset/provenance.json` read it.
+
 Secrets: values under secret-looking keys (api_key, token, password, secret, authorization)
 and after --api-key style flags are replaced by "<redacted>", and the value of the environment
 variable named by generation.api_key_env is scrubbed from the whole manifest text.
@@ -183,9 +190,15 @@ def _software() -> dict:
 NOT_LISTED_DIRS = ("logs/", "benchmarks/")
 
 
+# The dataset folder's own manifest: written with provenance.json, listed by neither.
+DATASET_DIR = "dataset"
+MANIFEST_NAME = "provenance.json"
+DATASET_MANIFEST = f"{DATASET_DIR}/{MANIFEST_NAME}"
+
+
 def _excluded(rel: str, journal_rel: str | None, out_rel: str | None) -> bool:
     name = rel.rsplit("/", 1)[-1]
-    if rel == out_rel or rel == "provenance.json" or name.startswith("."):
+    if rel in (out_rel, MANIFEST_NAME, DATASET_MANIFEST) or name.startswith("."):
         return True
     if rel.startswith(NOT_LISTED_DIRS) or rel == "report.html":
         return True
@@ -365,6 +378,18 @@ def build(results_dir, config: Settings | dict, configfiles=(), basedir=".", out
     return manifest
 
 
+def dataset_manifest(run: dict, results_dir, config: Settings | dict) -> dict:
+    """The dataset folder's manifest: the run's manifest with `outputs` listing the folder's
+    own files (relative to it) and the run's outputs kept as `run_outputs`."""
+    folder = Path(results_dir) / DATASET_DIR
+    return {
+        **run,
+        "scope": "dataset",
+        "outputs": list_outputs(folder, config, folder / MANIFEST_NAME),
+        "run_outputs": run["outputs"],
+    }
+
+
 def _draft_vocab(results: Path) -> dict | None:
     path = results / "dataset" / dv.MAPPING_DIR / dv.SUMMARY_JSON
     return json.loads(path.read_text()) if path.is_file() else None
@@ -433,7 +458,8 @@ def compare_outputs(manifest: dict, results_dir) -> dict:
     shards are compared sample by sample (identical output_ids per prompt_id).
     """
     results = Path(results_dir)
-    want = {e["path"]: e for e in manifest.get("outputs", [])}
+    # A dataset folder's manifest keeps the run's outputs as run_outputs.
+    want = {e["path"]: e for e in manifest.get("run_outputs", manifest.get("outputs", []))}
     exact = {"identical": [], "different": [], "missing": []}
     for path, e in sorted(want.items()):
         if not path.startswith(("prompts/", "tokenized/")):
@@ -477,6 +503,10 @@ def main(argv: list[str]) -> int:
         "--configfiles-json", help="the config files as a JSON list (what the workflow passes)"
     )
     parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--dataset-out",
+        help="also write the dataset folder's own manifest here (results/dataset/provenance.json)",
+    )
     parser.add_argument("--basedir", default=".")
     parser.add_argument(
         "--compare",
@@ -515,6 +545,10 @@ def main(argv: list[str]) -> int:
     if args.configfiles_json:
         configfiles += json.loads(args.configfiles_json)
     manifest = build(args.results_dir, config, configfiles, args.basedir, args.out)
+    if args.dataset_out:
+        dtmp = contracts.atomic_path(args.dataset_out)
+        dtmp.write_text(dumps(dataset_manifest(manifest, args.results_dir, config), config))
+        dtmp.replace(args.dataset_out)
     tmp.write_text(dumps(manifest, config), encoding="utf-8")
     tmp.replace(args.out)
     return 0

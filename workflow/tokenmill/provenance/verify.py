@@ -1,5 +1,7 @@
 """`tokenmill verify PROVENANCE [DIR]`: check a copy of a run's outputs against its provenance.
 
+PROVENANCE may be a folder holding a provenance.json: `tokenmill verify results/dataset`
+checks the dataset folder (or a copy of it alone) against its own manifest.
 DIR defaults to the folder holding PROVENANCE when the manifest's files are there (it lives
 in the results folder), else to the results_dir it records. Every listed file must exist with
 the listed size and sha256; extra files are warnings. Exit 0 when everything matches, else 1.
@@ -13,7 +15,7 @@ import sys
 from pathlib import Path
 
 from tokenmill.contracts import sha256_file
-from tokenmill.provenance.manifest import output_paths
+from tokenmill.provenance.manifest import MANIFEST_NAME, output_paths
 from tokenmill.settings import ConfigError, load_section
 
 
@@ -31,7 +33,7 @@ def verify(manifest: dict, directory) -> tuple[list[str], list[str]]:
         elif sha256_file(p) != e["sha256"]:
             errors.append(f"sha256 differs: {path} (expected {e['sha256']})")
     config = load_section(manifest.get("config", {}).get("resolved", {}), None)
-    for rel in output_paths(d, config, d / "provenance.json") if d.is_dir() else []:
+    for rel in output_paths(d, config, d / MANIFEST_NAME) if d.is_dir() else []:
         if rel not in listed:
             warnings.append(f"unexpected extra file: {rel}")
     return errors, warnings
@@ -39,10 +41,15 @@ def verify(manifest: dict, directory) -> tuple[list[str], list[str]]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tokenmill verify")
-    parser.add_argument("provenance")
+    parser.add_argument("provenance", help="a provenance.json, or a folder holding one")
     parser.add_argument("dir", nargs="?")
     args = parser.parse_args(argv)
     prov = Path(args.provenance)
+    if prov.is_dir():
+        prov = prov / MANIFEST_NAME
+        if not prov.is_file():
+            print(f"tokenmill verify: no {MANIFEST_NAME} in {args.provenance}", file=sys.stderr)
+            return 1
     manifest = json.loads(prov.read_text())
     directory = args.dir
     if directory is None:
