@@ -301,13 +301,14 @@ start_munge() {
   mkdir -p /run/munge && chown munge:munge /run/munge && chmod 755 /run/munge
   # One munged serves both clusters: when both start at once, one starts it, the other reuses.
   exec 8>/run/munge/tokenmill-start.lock
-  flock 8
+  flock -w 120 8 || die "another cluster.sh held the munged start lock for 2 min"
   if timeout 5 sh -c 'munge -n </dev/null | unmunge' >/dev/null 2>&1; then
     log "munged already running: reusing it (and leaving it running at stop)"
     exec 8>&-
     return 0
   fi
-  runuser -u munge -- /usr/sbin/munged --pid-file=/run/munge/munged.pid
+  # 8>&-: the daemon must not inherit the lock (it would hold it for as long as it runs).
+  runuser -u munge -- /usr/sbin/munged --pid-file=/run/munge/munged.pid 8>&-
   wait_for 10 sh -c 'munge -n </dev/null | unmunge' || die "munged did not come up"
   cp /run/munge/munged.pid "$RUN/munged.pid" # only what we started is stopped
   exec 8>&-
@@ -474,8 +475,14 @@ do_stop() {
   fi
   local d
   for d in slurmd slurmd.n1 slurmd.n2 slurmctld slurmdbd mariadbd; do stop_pidfile "$d"; done
-  # munged is shared: the other cluster (single-node or two-node) may still be using it.
-  if pgrep -x slurmctld >/dev/null; then
+  # munged is shared: the other cluster (single-node or two-node) may still be using it. (A
+  # slurmctld of ours can linger for a moment after its PID's exit: its script helper.)
+  local other=1
+  for ((i = 0; i < 50; i++)); do
+    pgrep -x slurmctld >/dev/null || { other=0; break; }
+    sleep 0.1
+  done
+  if [ "$other" = 1 ]; then
     [ -s "$RUN/munged.pid" ] && log "munged left running: another cluster still uses it"
     rm -f "$RUN/munged.pid"
   else
