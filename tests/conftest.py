@@ -72,9 +72,35 @@ def demo_workdir(tmp_path_factory) -> Path:
     return workdir
 
 
+# The slowest modules first, longest first (measured: `python tests/run_sessions.py` prints
+# the durations): `make test` runs the main session on two xdist workers, whole modules each, in
+# this order (--no-loadscope-reorder), so the long ones start early and run side by side instead
+# of one of them ending the run alone. test_workflow first: it makes the shared demo run.
+SLOW_MODULES_FIRST = (
+    "test_workflow.py",
+    "test_engines_real.py",
+    "test_standalone_envs.py",
+    "test_multiturn.py",
+    "test_trainer_loaders.py",
+    "test_workflow_failures.py",
+    "test_hidden_states_vllm.py",
+    "test_plan.py",
+    "test_hidden_states_workflow.py",
+    "test_guards.py",
+    "test_launch_flags.py",
+    "test_readme_commands.py",
+    "test_report_browser.py",
+    "test_hidden_states_trainers.py",
+    "test_tiny_model.py",
+)
+
+
 def pytest_collection_modifyitems(items):
-    """A test that reads the demo run may wait for it: the run (or another xdist worker making
-    it) counts against the test's own timeout, so those tests get twice the default."""
+    """Slow modules first (SLOW_MODULES_FIRST; the order inside a module is kept). A test that
+    reads the demo run may wait for it: the run (or another xdist worker making it) counts
+    against the test's own timeout, so those tests get twice the default."""
+    rank = {name: i for i, name in enumerate(SLOW_MODULES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     for item in items:
         if "demo_workdir" in item.fixturenames and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(1200))

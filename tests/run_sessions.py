@@ -2,10 +2,11 @@
 
 The two SLURM sessions spend most of their time waiting (job starts, time limits, the plugin's
 status polls), so they run beside the session that uses the CPUs:
-- slurm-1node: tests/test_slurm.py on the single-node cluster (config in /etc/slurm);
+- slurm-1node: the tests marked `slurm` of tests/test_slurm.py and tests/test_readme_commands.py
+  on the single-node cluster (config in /etc/slurm);
 - slurm-2node: tests/test_slurm_multinode.py on the two-node cluster (its own config folder,
   so both clusters run at once);
-- main: everything else.
+- main: everything else (`-m "not slurm"`).
 Each session's log is printed whole when it ends, then one line per session: its result, wall
 time and CPU time (its processes and every descendant they waited for). The exit status is
 non-zero when any session failed (or collected nothing).
@@ -27,13 +28,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SLURM_1 = "tests/test_slurm.py"
 SLURM_2 = "tests/test_slurm_multinode.py"
+README_COMMANDS = "tests/test_readme_commands.py"  # its SLURM test runs on the single-node cluster
 
 # name: (pytest arguments, environment). The main session runs on two pytest-xdist workers,
 # whole modules each (module fixtures and the order inside a module stay as they are).
 SESSIONS: dict[str, tuple[list[str], dict[str, str]]] = {
-    "slurm-1node": ([SLURM_1], {}),
+    "slurm-1node": (["-m", "slurm", SLURM_1, README_COMMANDS], {}),
     "slurm-2node": ([SLURM_2], {"TOKENMILL_SLURM_NODES": "2"}),
-    "main": ([f"--ignore={SLURM_1}", f"--ignore={SLURM_2}", "-n", "2", "--dist", "loadfile"], {}),
+    "main": (
+        ["-m", "not slurm", f"--ignore={SLURM_1}", f"--ignore={SLURM_2}"]
+        + ["-n", "2", "--dist", "loadfile", "--no-loadscope-reorder"],  # conftest's order
+        {},
+    ),
 }
 
 

@@ -4,9 +4,9 @@ tokenizer, model and engine identity, so a copy of that folder alone can be veri
 (`tokenmill verify FOLDER`, naming a tampered file) and reproduced (`tokenmill
 reproduce-config FOLDER/provenance.json`).
 
-The unit tests build a small results folder (test_stats.build_results); the end-to-end test
-copies the session's demo run's dataset folder alone and reproduces the demo from it in a fresh
-copy of the workflow.
+The unit tests build a small results folder (test_stats.build_results). The end-to-end
+reproduction from a copy of the folder alone, in a fresh checkout with no journal, is
+tests/test_workflow.py::test_reproduce_from_provenance_matches_byte_for_byte.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import json
 import shutil
 import subprocess
 
-import pytest
-from helpers import BIN, copy_workflow, failed, snakemake, tool_env
+from helpers import BIN, tool_env
 from test_provenance import setup_run
 
 from tokenmill.provenance import manifest as provenance
@@ -97,40 +96,3 @@ def tokenmill(cwd, *args):
         timeout=300,
         env=tool_env(),
     )
-
-
-@pytest.mark.e2e
-@pytest.mark.slow
-def test_reproduce_the_demo_from_a_copy_of_its_dataset_folder(demo_workdir, tmp_path):
-    published = tmp_path / "published"
-    shutil.copytree(demo_workdir / "results" / "dataset", published)
-    ok = tokenmill(tmp_path, "verify", str(published))
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-
-    # A fresh checkout of the workflow (no results, no journal) and the folder alone.
-    checkout = copy_workflow(tmp_path / "checkout")
-    made = tokenmill(
-        checkout,
-        "reproduce-config",
-        str(published / "provenance.json"),
-        "--out",
-        "repro.yaml",
-        "--results-dir",
-        "repro",
-    )
-    assert made.returncode == 0, made.stderr
-    run = snakemake(checkout, "--configfile", "repro.yaml")
-    assert run.returncode == 0, failed(run)
-    report = json.loads((checkout / "repro/reproduce/report.json").read_text())
-    stages = report["byte_identical_stages"]
-    assert report["ok"] and stages["identical"] and not stages["different"], stages
-    samples = report["generated_samples"]
-    assert samples["total"] > 0 and samples["identical"] == samples["total"], samples
-    # The reproduced training data are the published files, byte for byte (the card and the
-    # vocabulary summary may differ: throughput, paths).
-    listed = json.loads((published / "provenance.json").read_text())["outputs"]
-    shards = [e for e in listed if e["path"].endswith(".parquet")]
-    assert shards
-    for e in shards:
-        have = hashlib.sha256((checkout / "repro/dataset" / e["path"]).read_bytes()).hexdigest()
-        assert have == e["sha256"], e["path"]
