@@ -1,7 +1,7 @@
 """Benchmark: the hidden_states stage's two backends against a Hugging Face batch-16 forward (the
 floor on CPU), and the bytes per token its files take against the plan's formula.
 
-    .venv/bin/python benchmarks/bench_hidden_states.py [--rows 240] [--layers 8] [--hidden 128]
+    .venv/bin/python benchmarks/bench_hidden_states.py [--rows 200] [--layers 8] [--hidden 64]
         [--no-vllm]
 
 Builds a tiny random-weight Qwen2 model (float32, --layers decoder layers, --hidden wide, on the
@@ -60,8 +60,8 @@ def build_model(out: Path, layers: int, hidden: int) -> int:
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=hidden // 32,  # head size 32, one vLLM's CPU attention supports
+        num_key_value_heads=max(1, hidden // 64),
         max_position_embeddings=4096,
         tie_word_embeddings=True,
         rms_norm_eps=1e-6,
@@ -193,9 +193,9 @@ def bytes_rows(manifest: dict, hidden: int) -> list[tuple]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, default=240)
+    parser.add_argument("--rows", type=int, default=200)
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (>= 6)")
-    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--no-vllm", action="store_true", help="leave the vLLM backend out")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     args = parser.parse_args()
