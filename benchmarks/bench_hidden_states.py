@@ -226,7 +226,7 @@ def main() -> int:
             if python is None:
                 print(
                     f"vllm: SKIPPED, the vLLM CPU venv is not installed at {VLLM_VENV} "
-                    "(bash tests/vllm/ensure_venv.sh installs it, about 1 GB)"
+                    "(bash tests/vllm/ensure_venv.sh installs it)"
                 )
             else:
                 hs = {"enabled": True, "backend": "vllm", "launch": vllm_launch(python)}
