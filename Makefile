@@ -65,6 +65,7 @@ bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_client.py
 	$(BIN)/python benchmarks/bench_merge.py
 	$(BIN)/python benchmarks/bench_journal.py
+	$(BIN)/python benchmarks/bench_hidden_states.py
 
 # Outputs and Snakemake's state only: the generation journal (journal/, samples already paid
 # for) is kept on purpose. Delete it by hand (rm -rf journal) to generate everything anew.

