@@ -42,8 +42,7 @@ def job_resources(config: Settings | Mapping, category: str | None, attempt: int
         out.update(gpu=0, gpu_model=None, gres=f"gpu:{model}:{gpus}" if model else f"gpu:{gpus}")
     else:
         out.update(gpu=gpus, gpu_model=model, gres=None)
-    out["runtime"] = _capped(r.runtime_min * attempt, r.max_runtime_min)
-    out["mem_mb"] = _capped(r.mem_mb * attempt, r.max_mem_mb)
+    out.update(attempt_growth(r, attempt))
     out["qos"] = r.qos
     out["constraint"] = r.constraint
     return out
@@ -53,6 +52,15 @@ def gpus_per_job(config: Settings | Mapping, category: str | None) -> int:
     """GPUs one generate job holds (all nodes together): for GPU-hours."""
     config = as_settings(config)
     return config.resources(category).gpus * nnodes(config)
+
+
+def attempt_growth(r: ResourceSettings, attempt: int) -> dict:
+    """runtime and mem_mb of a GPU job at `attempt` (1 = first): each grows with the attempt up
+    to its cap (generate's and hidden_states' jobs alike)."""
+    return {
+        "runtime": _capped(r.runtime_min * attempt, r.max_runtime_min),
+        "mem_mb": _capped(r.mem_mb * attempt, r.max_mem_mb),
+    }
 
 
 def _capped(value: int, cap) -> int:

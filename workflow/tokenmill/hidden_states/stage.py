@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from tokenmill import model as model_files
+from tokenmill.generate.resources import attempt_growth
 from tokenmill.hidden_states import job, layout
 from tokenmill.settings import ConfigError, Settings, hidden_states_resources, load_section
 
@@ -52,17 +53,12 @@ def job_resources(settings: Settings, attempt: int = 1) -> dict:
     laid over it): GPUs as generate's one-node jobs ask for them, runtime and memory growing
     with the attempt up to their caps."""
     r = hidden_states_resources(settings.generation, settings.hidden_states)
-
-    def capped(value, cap):
-        return min(value, int(cap)) if cap else value
-
     return {
         "nodes": 1,
         "cpus_per_task": r.cpus,
         "gpu": r.gpus,
         "gpu_model": r.gpu_model if r.gpus > 0 else None,
-        "runtime": capped(r.runtime_min * attempt, r.max_runtime_min),
-        "mem_mb": capped(r.mem_mb * attempt, r.max_mem_mb),
+        **attempt_growth(r, attempt),
         "qos": r.qos,
         "constraint": r.constraint,
     }
