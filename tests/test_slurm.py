@@ -350,6 +350,39 @@ def test_too_many_gpus_fails_at_submission_with_slurms_message(pipeline, tmp_pat
     assert not probe_events(workdir), "no engine may start"
 
 
+def test_shipped_profile_cores_fit_the_2_cpu_test_nodes():
+    """The pipeline fixture runs with the profile's own `cores` (the test overrides leave it
+    alone), on nodes of 2 CPUs: the shipped default fits small nodes (issue 19, item 10)."""
+    overrides = yaml.safe_load((ROOT / "tests/slurm/test-overrides/config.yaml").read_text())
+    assert "cores" not in overrides
+    assert yaml.safe_load((ROOT / "profiles/slurm/config.yaml").read_text())["cores"] <= 2
+
+
+@pytest.mark.usefixtures("cluster")
+def test_a_job_asking_more_cpus_than_any_node_fails_the_run_within_a_minute(tmp_path):
+    """`--cores 8` makes each tokenize job ask SLURM for 8 CPUs, more than the test node has: the
+    run fails within a minute, naming the job and SLURM's reason, instead of waiting for good
+    (it waited 16 minutes, pending with reason PartitionConfig, before the watchdog)."""
+    workdir = copy_workflow(tmp_path / "wf")
+    cfg = write_config(workdir, make_config(), "cpus8.yaml")
+    # the prompts locally: the SLURM run below submits only the tokenize job
+    local = snakemake_cmd(300, cfg, "--until", "prepare_prompts", profile="local")
+    rc, out = run(workdir, local, "prepare", 360)
+    assert rc == 0, tail(out)
+    target = "results/rejected/tokenize/chat.parquet"  # the tokenize checkpoint's file output
+    t0 = time.monotonic()
+    rc, out = run(workdir, snakemake_cmd(240, cfg, "--cores", "8", target), "cpus8", 300)
+    elapsed = time.monotonic() - t0
+    assert rc != 0, tail(out)
+    assert elapsed < 60 + 15, (elapsed, tail(out))  # a minute, plus the controller's start
+    assert "tokenize_prompts" in out, tail(out)
+    reasons = ("PartitionConfig", "Requested node configuration is not available")
+    assert any(r in out for r in reasons), tail(out)
+    assert not (workdir / target).exists()
+    for job in slurm_jobs_of(workdir, "tokenize_prompts"):
+        assert not squeue_state(job), f"job {job} of the failed run is still queued"
+
+
 def test_profile_says_how_to_poll_without_slurmdbd():
     """Without slurmdbd the plugin's default sacct polling hangs forever (see docs/cluster.md)."""
     profile = (ROOT / "profiles/slurm/config.yaml").read_text()
@@ -392,6 +425,9 @@ def test_squeue_status_command_sees_success_and_failure(pipeline, tmp_path):
     # retried inside an allocation (it was 6 + 3 + 1 = 10 with the rule's own `retries: 2`).
     history = (bad_dir / "results/logs/generate/chat/000/generate.log").read_text()
     assert history.count("=== tokenmill generate attempt:") == 3, history[-4000:]
+    # ...and one engine start per attempt: the profile's attempts, no more.
+    engine_log = (bad_dir / "results/logs/generate/chat/000/engine.log").read_text()
+    assert engine_log.count("tokenmill: engine start") == 3, engine_log[-3000:]
     assert not (bad_dir / target).exists()
 
 

@@ -644,6 +644,74 @@ def test_preempted_generate_job_resumes_and_the_controller_finishes(preempted_ru
     assert len(starts) == 2, starts  # the preempted engine and the restarted one
 
 
+PREEMPTIONS = 5
+
+
+def test_a_job_preempted_five_times_under_cancel_completes_exactly_once(
+    cluster2, slurm_conf_path, tokenized_workflow, tmp_path
+):
+    """The same generate job, in partition lowcancel (PreemptMode=CANCEL), preempted five times
+    (the fourth used to hang the run: successful requeues counted toward the refusal limit):
+    the watchdog requeues it every time, the run completes, every sample exactly once, one
+    engine per run of the job."""
+    import test_slurm as ts
+
+    config = ts.make_config(
+        concurrency=2,
+        resources={"gpus": 1, "cpus": 1, "mem_mb": 1000, "runtime_min": 10},
+        launch={"env": {"TOKENMILL_PROBE_LOG": ts.PROBE_LOG,
+                        "TOKENMILL_PROBE_DELAY_S": str(PREEMPT_DELAY_S)}},
+    )  # fmt: skip
+    target = "results/generated/chat/000.parquet"
+    workdir = workflow_from(tokenized_workflow, tmp_path / "wf")
+    cfg = ts.write_config(workdir, config)
+    layer = site_layer(workdir, slurm_partition="lowcancel")
+    cmd = pipeline_cmd(900, cfg, layer, target)
+    proc, out = start_run(workdir, cmd, "cancel5", slurm_conf_path, TOKENMILL_PREEMPT_WATCH_S="5")
+    seen = PREEMPTION_SEEN["cancel"]
+    at_preemption = []
+    try:
+        for i in range(PREEMPTIONS):
+            # the job runs (again) and has journaled one more sample since the last preemption
+            wanted = (at_preemption[-1] if at_preemption else 1) + 1
+            deadline = time.monotonic() + 300
+            while ts.journal_records(workdir, "chat", "000") < wanted:
+                assert time.monotonic() < deadline, f"preemption {i + 1}: no generate progress"
+                assert proc.poll() is None, ts.tail(out.read_text())
+                time.sleep(0.5)
+            if i == 0:
+                (job,) = ts.slurm_jobs_of(workdir, "generate_shard")
+            at_preemption.append(ts.journal_records(workdir, "chat", "000"))
+            high, _ = sbatch(tmp_path, f"high{i}", "-p", "high", "--nodes=2", "--gres=gpu:2",
+                             wrap="sleep 2")  # fmt: skip
+            assert wait_job(high, timeout=120) == "COMPLETED"
+            deadline = time.monotonic() + 240
+            while out.read_text().count(seen) < i + 1:
+                assert time.monotonic() < deadline, f"preemption {i + 1} was never requeued"
+                assert proc.poll() is None, ts.tail(out.read_text())
+                time.sleep(0.5)
+            release_when_seen(job, proc, out, seen)
+        rc, text = ts.finish(proc, out, timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=90)
+    assert rc == 0, ts.tail(text) + ts._generate_log(workdir, "chat", "000")
+    assert text.count(seen) == PREEMPTIONS, ts.tail(text)
+    assert "refused to requeue" not in text, ts.tail(text)
+    assert ts.slurm_jobs_of(workdir, "generate_shard") == [job]  # one job id, requeued each time
+    states = [row["State"] for row in sacct_fields(job, "State")]
+    assert states[-1] == "COMPLETED", states
+    n = pq.read_metadata(workdir / "results/tokenized/chat/000.parquet").num_rows
+    assert len(ts.assert_exactly_once(workdir, "chat", "000")) == n
+    assert ts.journal_records(workdir, "chat", "000") == n  # nothing journaled twice
+    starts = [e for e in ts.probe_events(workdir) if e["event"] == "start"]
+    assert len(starts) == PREEMPTIONS + 1, starts
+    total = ts.requests_by_job(ts.probe_events(workdir))[job]
+    assert n <= total <= n + 2 * PREEMPTIONS, (total, n)  # at most the 2 in flight, each time
+    assert at_preemption == sorted(at_preemption), at_preemption
+
+
 def test_retries_grow_memory_and_runtime_up_to_the_caps(
     cluster2, slurm_conf_path, tokenized_workflow, tmp_path
 ):

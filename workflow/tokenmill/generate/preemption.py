@@ -216,7 +216,8 @@ def start_for_workflow(workflow, workdir: str | Path = ".") -> Watchdog | None:
         return None
     if not (shutil.which("squeue") and shutil.which("scontrol")):
         return None
-    interval = float(os.environ.get("TOKENMILL_PREEMPT_WATCH_S", "30"))
+    # 15 s: a job that can never start fails the run within a minute (two checks in a row)
+    interval = float(os.environ.get("TOKENMILL_PREEMPT_WATCH_S", "15"))
     dog = Watchdog(Path(workdir).resolve(), interval)
     dog.start()
     _say(
