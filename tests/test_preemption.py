@@ -39,9 +39,11 @@ def slurm(tmp_path, monkeypatch):
     return files
 
 
-def line(job, workdir, state="PREEMPTED", reason="None", cpus=8, mem="8000M", gres="N/A"):
+def line(job, workdir, state="PREEMPTED", reason="None", cpus=8, mem="8000M", gres="N/A",
+         comment="rule_tokenize_prompts_wildcards_chat"):  # fmt: skip
     """One line of squeue -o preemption.SQUEUE_FORMAT, as squeue 22.05 prints it."""
-    return f"{job}|{state}|{reason}|{cpus}|{mem}|{gres}|1|1:00:00|debug|tokenmill_x|{workdir}\n"
+    fields = [job, state, reason, cpus, mem, gres, 1, "1:00:00", "debug", "tokenmill_x", comment]
+    return "|".join(map(str, [*fields, workdir])) + "\n"
 
 
 def test_requeues_only_this_workflows_preempted_jobs(slurm, tmp_path, capsys):
@@ -113,7 +115,8 @@ def test_a_job_that_can_never_start_fails_the_run_naming_it(slurm, tmp_path):
     with pytest.raises(preemption.RunCannotFinish) as exc:
         dog.check_once()
     msg = str(exc.value)
-    assert "SLURM job 41 (tokenmill_x)" in msg and "reason PartitionConfig" in msg, msg
+    assert "SLURM job 41 (rule tokenize_prompts, wildcards chat; tokenmill_x)" in msg, msg
+    assert "reason PartitionConfig" in msg, msg
     assert "8 CPUs, --mem=8000M, 1 node(s), time limit 1:00:00, partition debug" in msg
     assert "42" not in msg and "43" not in msg
     slurm["queue"].write_text(queue.replace("PartitionConfig", "Priority"))

@@ -375,7 +375,7 @@ def test_a_job_asking_more_cpus_than_any_node_fails_the_run_within_a_minute(tmp_
     elapsed = time.monotonic() - t0
     assert rc != 0, tail(out)
     assert elapsed < 60 + 15, (elapsed, tail(out))  # a minute, plus the controller's start
-    assert "tokenize_prompts" in out, tail(out)
+    assert "(rule tokenize_prompts, wildcards chat; tokenmill_" in out, tail(out)
     reasons = ("PartitionConfig", "Requested node configuration is not available")
     assert any(r in out for r in reasons), tail(out)
     assert not (workdir / target).exists()

@@ -79,7 +79,8 @@ NEVER_CLEARS = frozenset(
 
 # squeue fields: id, state, reason, CPUs, memory, GRES/TRES per node, nodes, time limit,
 # partition, name; the working directory last (it may hold the separator).
-SQUEUE_FORMAT = "%i|%T|%r|%C|%m|%b|%D|%l|%P|%j|%Z"
+# %k: the comment the SLURM plugin gives each job, "rule_<rule>_wildcards_<values>"
+SQUEUE_FORMAT = "%i|%T|%r|%C|%m|%b|%D|%l|%P|%j|%k|%Z"
 
 
 class RunCannotFinish(RuntimeError):
@@ -99,6 +100,7 @@ def queued_jobs(workdir: str | Path, user: str | None = None) -> list[dict]:
         raise OSError(proc.stderr.strip() or f"squeue exited {proc.returncode}")
     want = os.path.realpath(workdir)
     names = ("id", "state", "reason", "cpus", "mem", "gres", "nodes", "time", "partition", "name")
+    names += ("comment",)
     jobs = []
     for line in proc.stdout.splitlines():
         fields = line.split("|", len(names))
@@ -126,6 +128,16 @@ def describe(job: dict) -> str:
         asked.append(job["gres"])
     asked += [f"time limit {job['time']}", f"partition {job['partition']}"]
     return ", ".join(asked)
+
+
+def which(job: dict) -> str:
+    """The job's rule and wildcards (from the plugin's comment) and its SLURM name."""
+    comment = job.get("comment", "")
+    if comment.startswith("rule_"):
+        rule, _, wildcards = comment[len("rule_") :].partition("_wildcards_")
+        what = f"rule {rule}" + (f", wildcards {wildcards}" if wildcards else "")
+        return f"{what}; {job['name']}"
+    return job["name"]
 
 
 def interrupt_controller(message: str) -> None:
@@ -157,7 +169,7 @@ class Watchdog(threading.Thread):
                 if job["reason"] in NEVER_CLEARS:
                     if self.stuck.get(jid) == job["reason"]:
                         raise RunCannotFinish(
-                            f"SLURM job {jid} ({job['name']}) can never start: it pends with "
+                            f"SLURM job {jid} ({which(job)}) can never start: it pends with "
                             f"reason {job['reason']}, which waiting does not clear. It asked "
                             f"for {describe(job)}. Lower the request (profile `cores`, "
                             "`generation.resources`, a category's `resources`) or fix the "
@@ -184,7 +196,7 @@ class Watchdog(threading.Thread):
             )
             if self.refused[jid] >= self.max_refusals:
                 raise RunCannotFinish(
-                    f"SLURM job {jid} ({job['name']}) was preempted and cancelled, and SLURM "
+                    f"SLURM job {jid} ({which(job)}) was preempted and cancelled, and SLURM "
                     f"refused to requeue it {self.refused[jid]} times in a row (last: {msg}). "
                     "The controller would wait for it forever. Check the job was submitted "
                     "requeueable (profile `slurm-requeue: true`, JobRequeue in slurm.conf)."
