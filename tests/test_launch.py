@@ -108,7 +108,7 @@ def test_wrong_model_is_refused(tmp_path, version):
     assert e.proc is None
 
 
-def test_same_weights_under_another_path_pass_other_weights_fail(tmp_path):
+def test_same_weights_under_another_path_pass_other_weights_fail(tmp_path, caplog):
     here = _model_dir(tmp_path / "models" / "tiny")
     copy = tmp_path / "mnt" / "gpu07" / "tiny"
     shutil.copytree(here, copy)
@@ -120,9 +120,12 @@ def test_same_weights_under_another_path_pass_other_weights_fail(tmp_path):
     tuned = _model_dir(tmp_path / "ft" / "tiny", weights=b"v" * 300_000)
     with pytest.raises(eng.EngineError, match=r"(?s)'models/tiny'.*holds other weights"):
         eng.check_model({"model_path": str(tuned)}, {}, gen, tmp_path)
-    # another mount point that the job cannot read: the name is all there is
-    how = eng.check_model({"model_path": "/gpfs/ckpt/tiny"}, {}, gen, tmp_path)
+    # another mount point that the job cannot read: the name is all there is, and it says so
+    with caplog.at_level("WARNING", logger=eng.log.name):
+        how = eng.check_model({"model_path": "/gpfs/ckpt/tiny"}, {}, gen, tmp_path)
     assert "by name" in how
+    assert "'/gpfs/ckpt/tiny' is not readable here" in caplog.text
+    assert "weights are not compared" in caplog.text
     with pytest.raises(eng.EngineError, match="generation.server_model"):
         eng.check_model({"model_path": "/gpfs/ckpt/other"}, {}, gen, tmp_path)
     # /server_info's arguments count too (0.5.16 has served_model_name only there)
@@ -257,6 +260,37 @@ def test_other_files_or_sizes_are_refused_without_reading(tmp_path, reads):
     with pytest.raises(eng.EngineError, match=r"cannot be compared .*no config.json"):
         eng.check_model({"model_path": str(nocfg)}, {}, {"model": "models/tiny"}, tmp_path)
     assert reads == []
+
+
+def test_a_managed_engine_on_a_changed_copy_is_stopped_and_refused(tmp_path):
+    here = _model_dir(tmp_path / "models" / "tiny")
+    copy = tmp_path / "copy"
+    shutil.copytree(here, copy)
+    gen = _gen("--sglang-version", "0.5.16", model="models/tiny")
+    gen["launch"]["command"][3] = str(copy)  # the server is started on the copy
+    e = eng.ManagedEngine(gen, tmp_path / "ok", basedir=tmp_path)
+    asyncio.run(e.start())
+    e.stop(grace_s=5)
+    assert "same config.json and weight files" in e.model_check
+    with open(copy / "model.safetensors", "r+b") as f:
+        f.write(b"\0")  # the first byte
+    e = eng.ManagedEngine(gen, tmp_path / "bad", basedir=tmp_path)
+    with pytest.raises(eng.EngineError, match=r"(?s)'models/tiny'.*model.safetensors differs"):
+        asyncio.run(e.start())
+    assert e.proc is None
+
+
+def test_concurrent_checks_share_one_valid_cache_entry(tmp_path, reads):
+    from concurrent.futures import ThreadPoolExecutor
+
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(os.urandom(1 << 20))
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: model_files.file_sha256(f)[0], range(8)))
+    assert set(got) == {hashlib.sha256(f.read_bytes()).hexdigest()}
+    files = list((tmp_path / "digest-cache" / "sha256").iterdir())
+    assert len(files) == 1 and json.loads(files[0].read_text())["sha256"] == got[0]
+    assert model_files.file_sha256(f) == (got[0], "cache")
 
 
 def test_hub_ids_and_hugging_face_cache_paths():
