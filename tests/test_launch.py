@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import time
 import fake_sglang
 import pytest
 
+from tokenmill import model as model_files
 from tokenmill import redaction as secrets
 from tokenmill.generate import engines
 from tokenmill.generate import launch as eng
@@ -28,6 +30,26 @@ def _gen(*flags, model="fake/model", **launch):
         "model": model,
         "launch": {"command": cmd, "host": "127.0.0.1", "startup_timeout_s": 20, **launch},
     }
+
+
+@pytest.fixture(autouse=True)
+def _digest_cache(tmp_path, monkeypatch):
+    """Every test gets its own weight-digest cache (never the user's ~/.cache/tokenmill)."""
+    monkeypatch.setenv(model_files.CACHE_ENV, str(tmp_path / "digest-cache"))
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """The files whose bytes the model check hashed (model.hash_file is its only reader)."""
+    seen: list[str] = []
+    real = model_files.hash_file
+
+    def counting(path):
+        seen.append(str(path))
+        return real(path)
+
+    monkeypatch.setattr(model_files, "hash_file", counting)
+    return seen
 
 
 def _model_dir(path, weights=b"w" * 300_000, vocab=720):
@@ -86,7 +108,7 @@ def test_wrong_model_is_refused(tmp_path, version):
     assert e.proc is None
 
 
-def test_same_weights_under_another_path_pass_other_weights_fail(tmp_path):
+def test_same_weights_under_another_path_pass_other_weights_fail(tmp_path, caplog):
     here = _model_dir(tmp_path / "models" / "tiny")
     copy = tmp_path / "mnt" / "gpu07" / "tiny"
     shutil.copytree(here, copy)
@@ -98,14 +120,177 @@ def test_same_weights_under_another_path_pass_other_weights_fail(tmp_path):
     tuned = _model_dir(tmp_path / "ft" / "tiny", weights=b"v" * 300_000)
     with pytest.raises(eng.EngineError, match=r"(?s)'models/tiny'.*holds other weights"):
         eng.check_model({"model_path": str(tuned)}, {}, gen, tmp_path)
-    # another mount point that the job cannot read: the name is all there is
-    how = eng.check_model({"model_path": "/gpfs/ckpt/tiny"}, {}, gen, tmp_path)
+    # another mount point that the job cannot read: the name is all there is, and it says so
+    with caplog.at_level("WARNING", logger=eng.log.name):
+        how = eng.check_model({"model_path": "/gpfs/ckpt/tiny"}, {}, gen, tmp_path)
     assert "by name" in how
+    assert "'/gpfs/ckpt/tiny' is not readable here" in caplog.text
+    assert "weights are not compared" in caplog.text
     with pytest.raises(eng.EngineError, match="generation.server_model"):
         eng.check_model({"model_path": "/gpfs/ckpt/other"}, {}, gen, tmp_path)
     # /server_info's arguments count too (0.5.16 has served_model_name only there)
     how = eng.check_model({"model_path": "/x/y"}, {"served_model_name": "models/tiny"}, gen, ".")
     assert "reports 'models/tiny'" in how
+
+
+@pytest.mark.parametrize("offset", [0, 70_000, 150_000, 299_999])
+def test_one_changed_weight_byte_anywhere_is_refused_naming_both_sides(tmp_path, offset):
+    """Issue 19 item 8: 64 KiB samples at the middle and the end missed a changed embedding
+    table; the check now hashes every byte (offsets 0 and 70,000 lay outside those samples)."""
+    weights = bytes(range(256)) * 1172  # 300,032 bytes
+    here = _model_dir(tmp_path / "models" / "tiny", weights=weights)
+    copy = tmp_path / "mnt" / "copy"
+    shutil.copytree(here, copy)
+    edited = bytearray(weights)
+    edited[offset] ^= 0xFF
+    (copy / "model.safetensors").write_bytes(bytes(edited))
+    with pytest.raises(eng.EngineError) as err:
+        eng.check_model({"model_path": str(copy)}, {}, {"model": "models/tiny"}, tmp_path)
+    msg = str(err.value)
+    assert str(copy) in msg and "'models/tiny'" in msg and str(here.resolve()) in msg, msg
+    assert "model.safetensors differs: sha256" in msg, msg
+
+
+def test_an_unchanged_copy_is_accepted_and_a_second_job_reads_nothing(tmp_path, reads):
+    here = _model_dir(tmp_path / "models" / "tiny")
+    copy = tmp_path / "mnt" / "copy"
+    shutil.copytree(here, copy)
+    gen = {"model": "models/tiny"}
+    how = eng.check_model({"model_path": str(copy)}, {}, gen, tmp_path)
+    assert "same config.json and weight files" in how and "full content" in how
+    assert len(reads) == 4  # config.json and model.safetensors, on both sides
+    entries = sorted((tmp_path / "digest-cache" / "sha256").glob("*.json"))
+    assert len(entries) == 4
+    assert {json.loads(e.read_text())["size"] for e in entries} == {
+        300_000,
+        (here / "config.json").stat().st_size,
+    }
+    # A second job is another process: its check takes every digest from the cache and would
+    # fail if it read a single weight byte.
+    code = (
+        "import sys; from tokenmill import model; from tokenmill.generate import launch\n"
+        "def no(p): sys.exit(f'read {p}')\n"
+        "model.hash_file = no\n"
+        f"print(launch.check_model({{'model_path': {str(copy)!r}}}, {{}}, "
+        f"{{'model': 'models/tiny'}}, {str(tmp_path)!r}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        env={**os.environ, model_files.CACHE_ENV: str(tmp_path / "digest-cache")},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "same config.json and weight files" in out.stdout
+    assert len(reads) == 4  # nothing more read in this process either
+
+
+def test_a_changed_mtime_or_size_is_read_again(tmp_path, reads):
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(b"a" * 1000)
+    first = model_files.file_sha256(f)
+    assert first[1] == "read" and model_files.file_sha256(f) == (first[0], "cache")
+    assert len(reads) == 1
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert model_files.file_sha256(f) == (first[0], "read")
+    f.write_bytes(b"a" * 1001)
+    digest, how = model_files.file_sha256(f)
+    assert how == "read" and digest != first[0] and len(reads) == 3
+    # an entry whose record does not match its key (another file, a torn write) is not used
+    entry = next(p for p in (tmp_path / "digest-cache" / "sha256").glob("*.json")
+                 if json.loads(p.read_text())["size"] == 1001)  # fmt: skip
+    entry.write_text("{")
+    assert model_files.file_sha256(f) == (digest, "read")
+
+
+def test_an_unwritable_cache_is_skipped(tmp_path, monkeypatch, reads):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv(model_files.CACHE_ENV, str(blocker / "cache"))
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"x" * 10)
+    assert model_files.file_sha256(f)[1] == "read"
+    assert model_files.file_sha256(f)[1] == "read" and len(reads) == 2
+
+
+def test_a_hub_cache_snapshot_gives_its_digests_by_blob_name(tmp_path, reads):
+    """A hub snapshot's LFS file links to blobs/<sha256>: that name is the digest, unread."""
+    weights = b"h" * 200_000
+    copy = _model_dir(tmp_path / "models" / "tiny", weights=weights)
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snap = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+
+    def blob(name, data, sha):
+        (repo / "blobs" / sha).write_bytes(data)
+        (snap / name).symlink_to(f"../../blobs/{sha}")
+
+    sha = hashlib.sha256(weights).hexdigest()
+    blob("model.safetensors", weights, sha)
+    cfg = (copy / "config.json").read_bytes()
+    blob("config.json", cfg, hashlib.sha1(cfg).hexdigest())  # a git blob: named by sha1, read
+    how = eng.check_model({"model_path": str(snap)}, {}, {"model": "models/tiny"}, tmp_path)
+    assert "same config.json and weight files" in how
+    assert str(snap / "model.safetensors") not in reads
+    assert sorted(reads) == sorted(
+        [str(copy.resolve() / "config.json"), str(copy.resolve() / "model.safetensors"),
+         str(repo / "blobs" / hashlib.sha1(cfg).hexdigest())]
+    )  # fmt: skip
+    assert model_files.file_sha256(snap / "model.safetensors") == (sha, "hub blob")
+    # the name is trusted: a blob named for other content stands for that content
+    (snap / "model.safetensors").unlink()
+    blob("model.safetensors", weights, "0" * 64)
+    with pytest.raises(eng.EngineError, match=r"model.safetensors differs: sha256"):
+        eng.check_model({"model_path": str(snap)}, {}, {"model": "models/tiny"}, tmp_path)
+
+
+def test_other_files_or_sizes_are_refused_without_reading(tmp_path, reads):
+    here = _model_dir(tmp_path / "models" / "tiny")
+    shorter = _model_dir(tmp_path / "a" / "tiny", weights=b"w" * 299_999)
+    with pytest.raises(eng.EngineError, match=r"model.safetensors differs: 300000 bytes in"):
+        eng.check_model({"model_path": str(shorter)}, {}, {"model": "models/tiny"}, tmp_path)
+    extra = tmp_path / "b" / "tiny"
+    shutil.copytree(here, extra)
+    (extra / "lora.safetensors").write_bytes(b"l")
+    with pytest.raises(eng.EngineError, match=r"other weight files .*\['lora.safetensors'\]"):
+        eng.check_model({"model_path": str(extra)}, {}, {"model": "models/tiny"}, tmp_path)
+    nocfg = tmp_path / "c" / "tiny"
+    shutil.copytree(here, nocfg)
+    (nocfg / "config.json").unlink()
+    with pytest.raises(eng.EngineError, match=r"cannot be compared .*no config.json"):
+        eng.check_model({"model_path": str(nocfg)}, {}, {"model": "models/tiny"}, tmp_path)
+    assert reads == []
+
+
+def test_a_managed_engine_on_a_changed_copy_is_stopped_and_refused(tmp_path):
+    here = _model_dir(tmp_path / "models" / "tiny")
+    copy = tmp_path / "copy"
+    shutil.copytree(here, copy)
+    gen = _gen("--sglang-version", "0.5.16", model="models/tiny")
+    gen["launch"]["command"][3] = str(copy)  # the server is started on the copy
+    e = eng.ManagedEngine(gen, tmp_path / "ok", basedir=tmp_path)
+    asyncio.run(e.start())
+    e.stop(grace_s=5)
+    assert "same config.json and weight files" in e.model_check
+    with open(copy / "model.safetensors", "r+b") as f:
+        f.write(b"\0")  # the first byte
+    e = eng.ManagedEngine(gen, tmp_path / "bad", basedir=tmp_path)
+    with pytest.raises(eng.EngineError, match=r"(?s)'models/tiny'.*model.safetensors differs"):
+        asyncio.run(e.start())
+    assert e.proc is None
+
+
+def test_concurrent_checks_share_one_valid_cache_entry(tmp_path, reads):
+    from concurrent.futures import ThreadPoolExecutor
+
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(os.urandom(1 << 20))
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: model_files.file_sha256(f)[0], range(8)))
+    assert set(got) == {hashlib.sha256(f.read_bytes()).hexdigest()}
+    files = list((tmp_path / "digest-cache" / "sha256").iterdir())
+    assert len(files) == 1 and json.loads(files[0].read_text())["sha256"] == got[0]
+    assert model_files.file_sha256(f) == (got[0], "cache")
 
 
 def test_hub_ids_and_hugging_face_cache_paths():
@@ -143,6 +328,16 @@ def test_external_0_5_16_from_another_path_is_accepted(tmp_path):
         bad = eng.ExternalEngines({**gen, "model": "other/model"}, basedir=tmp_path)
         with pytest.raises(eng.EngineError, match=rf"127.0.0.1:{port}: .*other/model"):
             asyncio.run(bad.start())
+        # the same server's files with one byte changed (same size, same names): refused
+        with open(copy / "model.safetensors", "r+b") as f:
+            f.seek(1234)
+            f.write(b"x")
+        ext = eng.ExternalEngines(gen, basedir=tmp_path)
+        with pytest.raises(eng.EngineError) as err:
+            asyncio.run(ext.start())
+        msg = str(err.value)
+        assert f"127.0.0.1:{port}" in msg and str(copy) in msg and "'models/tiny'" in msg
+        assert "model.safetensors differs: sha256" in msg
     finally:
         proc.kill()
         proc.wait(timeout=10)

@@ -9,8 +9,9 @@ environment) comes from the engine's EngineAPI (tokenmill.generate.engines).
 
 Before the first request, both modes check the running server against the config: the model
 identity (`check_model`: the same weights under another path or name pass, other weights fail,
-with both sides named), and what only the running server can tell (`EngineAPI.check_server`:
-sampling keys its version accepts, deterministic inference for seed_policy per_sample).
+with both sides named; weights are compared by full content, model.content_difference), and
+what only the running server can tell (`EngineAPI.check_server`: sampling keys its version
+accepts, deterministic inference for seed_policy per_sample).
 
 Multi-node (launch.nnodes > 1, inside a SLURM allocation): the command runs through
 `srun --overlap --nodes=N --ntasks=N --ntasks-per-node=1 --kill-on-bad-exit=1
@@ -45,10 +46,10 @@ import aiohttp
 from tokenmill.generate import engines
 from tokenmill.generate.engines import EngineAPI
 from tokenmill.model import (
+    content_difference,
     hub_cache_dir,
     hub_id_of,
     local_dir,
-    weights_fingerprint,
 )
 from tokenmill.redaction import redact, redact_argv
 from tokenmill.settings import GenerationSettings, as_section
@@ -277,10 +278,12 @@ def check_model(
 
     In order: generation.server_model (the name the server reports, stated in the config) must
     be among the served names; the same name; when the server's path is readable here too, the
-    same directory or the same weights (`weights_fingerprint`), and a readable path with other
-    weights is refused even if the names agree; else the same hub id (also read from a Hugging
-    Face cache path), or a local path's last component equal to the hub id's name
-    (/models/Kimi-K2.5 serves moonshotai/Kimi-K2.5).
+    same directory or the same config.json and weight files by full content
+    (`content_difference`: sha256 of every byte, cached), and a readable path with other
+    weights, or whose files cannot be read, is refused even if the names agree; else the same
+    hub id (also read from a Hugging Face cache path), or a local path's last component equal
+    to the hub id's name (/models/Kimi-K2.5 serves moonshotai/Kimi-K2.5): by name only, with a
+    warning that the content was not compared.
     """
     gen = as_section(gen, "generation")
     want = gen.model
@@ -309,10 +312,24 @@ def check_model(
         if local is not None and theirs is not None:
             if os.path.realpath(local) == os.path.realpath(theirs):
                 return f"{name!r} is the directory of generation.model"
-            mine, other = weights_fingerprint(local), weights_fingerprint(theirs)
-            if mine is not None and mine == other:
-                return f"{name!r} holds the same config.json and weight files as {str(local)!r}"
-            refused.append(f"{name!r} is readable here and holds other weights than {want!r}")
+            try:
+                differs = content_difference(local, theirs)
+            except OSError as exc:
+                refused.append(
+                    f"{name!r} is readable here but its weights cannot be compared with "
+                    f"{want!r}'s ({exc}); make both readable to this job, or set "
+                    "generation.server_model to the name the server reports (trusts the name)"
+                )
+                continue
+            if differs is None:
+                return (
+                    f"{name!r} holds the same config.json and weight files as {str(local)!r} "
+                    "(full content, sha256)"
+                )
+            refused.append(
+                f"{name!r} (the server's model path, read here) holds other weights than "
+                f"generation.model {want!r} ({str(local)!r}): {differs}"
+            )
             continue
         if hub and want_hub:
             if hub.lower() == want_hub.lower():
@@ -322,6 +339,13 @@ def check_model(
         mine_name = (want_hub or str(want)).rstrip("/").rsplit("/", 1)[-1]
         their_name = (hub or name).rstrip("/").rsplit("/", 1)[-1]
         if mine_name and mine_name == their_name:
+            log.warning(
+                "%r is not readable here: the served model is matched to %r by name only, its "
+                "weights are not compared. To compare them, make the server's model path "
+                "readable at the same path on this machine",
+                name,
+                want,
+            )
             return f"{name!r} has the model's name {mine_name!r} (not readable here: by name)"
     hint = (
         "; " + "; ".join(refused)
