@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from helpers import copy_workflow, failed, snakemake
 # No Hugging Face downloads, ever: set before anything imports huggingface_hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+# The model check's digest cache (tokenmill/model.py): the tests' own, not the user's.
+os.environ.setdefault("TOKENMILL_CACHE_DIR", tempfile.mkdtemp(prefix="tokenmill-digests-"))
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,8 +10,8 @@ sha256 of all their bytes. A file's sha256 is computed once (streamed, HASH_CHUN
 and cached on disk by (resolved path, size, mtime_ns, inode) in `cache_dir()` (one small file
 per entry, written atomically: concurrent jobs never corrupt it, a lost race only costs one
 more read); a Hugging Face hub cache snapshot's LFS file is a symlink to blobs/<sha256>, whose
-name is taken without reading the file. `weights_fingerprint` (config.json plus 64 KiB
-samples) is a cheap identity kept for the hidden-states journal header, not a model check.
+name is taken without reading the file. `weights_fingerprint` folds the same digests into one
+value: the model identity the hidden-states journal header records.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-SAMPLE_BYTES = 1 << 16  # read at the middle and the end of each weight file
 HASH_CHUNK = 4 << 20  # bytes per read when hashing a whole file
 HASH_THREADS = 4  # files hashed at once (hashlib releases the GIL on large updates)
 CACHE_ENV = "TOKENMILL_CACHE_DIR"
@@ -65,20 +64,15 @@ def hub_id_of(name: str) -> str | None:
 
 
 def weights_fingerprint(path: Path) -> str | None:
-    """config.json plus, for every weight file, its name, size and 64 KiB read at its middle
-    and its end. Reads a few MiB even for a terabyte checkpoint, but a change elsewhere in a
-    file (an edited embedding table) goes unseen: the hidden-states journal header records it
-    (its value kept so existing journals stay valid); the model check compares full content
-    (`content_difference`). None without a config.json."""
+    """One digest of the model's identity: config.json and every weight file, by name and the
+    sha256 of its full content (`file_sha256`: from a hub blob's name, the digest cache or one
+    streamed read), the same files the model check compares. The hidden-states journal header
+    records it. None without a config.json or when a file cannot be read."""
     try:
-        h = hashlib.sha256((path / "config.json").read_bytes())
-        for f in sorted(p for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
-            size = f.stat().st_size
-            h.update(f"\0{f.name}\0{size}\0".encode())
-            with open(f, "rb") as fh:
-                for offset in (size // 2, max(size - SAMPLE_BYTES, 0)):
-                    fh.seek(offset)
-                    h.update(fh.read(SAMPLE_BYTES))
+        files = content_files(path)
+        h = hashlib.sha256()
+        for name, f in files.items():
+            h.update(f"{name}\0{file_sha256(f)[0]}\0".encode())
     except OSError:
         return None
     return h.hexdigest()
