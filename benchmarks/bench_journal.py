@@ -65,7 +65,7 @@ def gen_config(url: str, stop_tokens=(2,)) -> dict:
         "mode": "external",
         "model": "fake/model",
         "revision": None,
-        "launch": {"command": []},
+        "launch": {},
         "external": {"urls": [url]},
         "api_key_env": None,
         "sampling": {"max_new_tokens": 4096, "temperature": 0.0},
