@@ -198,8 +198,9 @@ WRITER_OPTIONS = dict(
 # A row group of every file ends at ROW_GROUP_SIZE rows or with the row that brings it to
 # ROW_GROUP_TOKENS tokens, whichever comes first (`row_group_ends`): a reader's and a writer's
 # working set is one row group, so memory follows the bound, not the output length (1 << 20
-# tokens is 4 MiB of int32 ids). A row's tokens are the lengths of its TOKEN_COLUMNS. Short rows
-# never reach the token bound: their files are cut at ROW_GROUP_SIZE rows, as before it existed.
+# tokens is 4 MiB of int32 ids). A row's tokens are the lengths of its TOKEN_COLUMNS. Rows of
+# under 128 tokens on average never reach the token bound: their files are cut at ROW_GROUP_SIZE
+# rows, as before the bound existed.
 ROW_GROUP_SIZE = 8192
 ROW_GROUP_TOKENS = 1 << 20
 # The token-list columns of the contracts (DATASET's loss_mask has input_ids' length; nested
