@@ -511,3 +511,41 @@ def test_streamed_merge_writes_the_bytes_of_the_whole_batch_merge(
     assert res.tokenized == 20_000 and res.not_generated == 21 and res.kept == 18_409
     assert pq.ParquetFile(tmp_path / "out/000.parquet").num_row_groups == 3
     assert sha == _BIG_SHARD_SHA
+
+
+def test_long_outputs_are_merged_into_token_bounded_row_groups(tmp_path, monkeypatch):
+    """Row groups close at ROW_GROUP_SIZE rows or with the row that brings them to
+    ROW_GROUP_TOKENS tokens: long outputs make more, smaller row groups (in the generated shard
+    and in the dataset shard merge writes), never a different dataset."""
+    rng = np.random.default_rng(5)
+    prompts = {f"p{i:03d}": rng.integers(5, 20, rng.integers(2, 6)).tolist() for i in range(80)}
+    gens = [
+        gen_row(p, ids, rng.integers(5, 20, rng.integers(20, 60)).tolist() + [2])
+        for p, ids in prompts.items()
+    ]
+    gens[7]["finish_type"], gens[7]["finish_matched_id"] = "length", None  # a rejected row
+    whole, out_whole, rej_whole = run_merge(
+        tmp_path / "whole", prompts, gens, max_sequence_tokens=100
+    )
+    assert pq.ParquetFile(out_whole).num_row_groups == 1
+    bound = 300
+    monkeypatch.setattr(contracts, "ROW_GROUP_TOKENS", bound)
+    (tmp_path / "cut").mkdir()
+    res, out, rej = run_merge(tmp_path / "cut", prompts, gens, max_sequence_tokens=100)
+    assert (res.kept, res.rejected) == (whole.kept, whole.rejected) == (79, 1)
+    for path, column in ((tmp_path / "cut" / "gen.parquet", "output_ids"), (out, "input_ids")):
+        pf = pq.ParquetFile(path)
+        assert pf.num_row_groups > 5, path
+        short = 0
+        for g in range(pf.num_row_groups - 1):
+            lengths = [len(x) for x in pf.read_row_group(g, columns=[column])[column].to_pylist()]
+            # under the bound until its last row, which brings it to the bound
+            assert sum(lengths[:-1]) < bound
+            short += sum(lengths) < bound
+        # a dataset row group is a batch of candidates less the rows validation rejected: the
+        # batch of the truncated row is the one short of the bound
+        assert short == (1 if column == "input_ids" else 0), path
+    # The same rows, the same validation, only cut differently.
+    assert pq.read_table(out).equals(pq.read_table(out_whole))
+    assert pq.read_table(rej).equals(pq.read_table(rej_whole))
+    assert contracts.read_metadata(out) == contracts.read_metadata(out_whole)

@@ -123,3 +123,31 @@ def test_the_rule_gives_each_category_its_resources(tmp_path):
         assert "gres=gpu:2" in block and "nodes=2" in block and "gpu=0" in block, block
         assert f"runtime={runtime}" in block, block
     assert "qos=long" in by_cat["code"] and "qos=" not in by_cat["chat"], by_cat
+
+
+def test_plan_prints_what_each_generate_job_asks_for(config, tmp_path):
+    """`tokenmill plan` (before anything is tokenized) names each category's memory, runtime,
+    CPUs and GPUs at attempts 1-3, the numbers the generate rule asks SLURM for."""
+    from tokenmill.generate import plan
+
+    res = config["generation"]["resources"]
+    res.update(mem_mb=30000, max_mem_mb=70000, runtime_min=100, max_runtime_min=250)
+    config["categories"]["chat"]["resources"] = {"mem_mb": 1000}
+    p = plan.make_plan(config, tmp_path, None)
+    lines = {r["category"]: r["job_resources"] for r in p["categories"]}
+    for category, asked in lines.items():
+        for n in (1, 2, 3):
+            r = job_resources(config, category, n)
+            assert (asked["mem_mb"][n - 1], asked["runtime_min"][n - 1]) == (
+                r["mem_mb"],
+                r["runtime"],
+            )
+    assert lines["code"]["mem_mb"] == [30000, 60000, 70000]
+    assert lines["chat"]["mem_mb"] == [1000, 2000, 3000]
+    assert lines["code"]["runtime_min"] == [100, 200, 250]
+    table = plan.format_table(p)
+    assert (
+        "generate job code: mem 30000/60000/70000 MB, runtime 100/200/250 min at attempts "
+        "1/2/3; 16 CPUs, 8 GPUs (generation.resources)"
+    ) in table, table
+    assert "generate job chat: mem 1000/2000/3000 MB" in table, table

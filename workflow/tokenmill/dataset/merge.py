@@ -32,13 +32,16 @@ everything merge accounts for), records_kept, records_rejected (in = kept + reje
 tokenmill.not_generated, tokenmill.generate_rejected, tokenmill.tokenized_rows, and the tokenizer
 and generation fingerprints carried over from the input shards.
 
-Everything is vectorized over flattened token arrays and streamed in one pass, in batches of
-contracts.ROW_GROUP_SIZE rows: input row groups are read when a batch first needs them and
-dropped after the last batch that needs them, so memory stays at a few row groups when the
-inputs are sorted by prompt_id (as every stage writes them), whatever the shard size. A row
-group is ROW_GROUP_SIZE rows whatever their length, so memory does follow output length: one
-output row group of 2,000-token outputs is ~80 MiB and pyarrow's writer needs about twice that
-to write it (`benchmarks/bench_merge.py --memory 200,2000 --samples 12000`: 296 and 589 MiB).
+Everything is vectorized over flattened token arrays and streamed in one pass, in batches that
+end at contracts.ROW_GROUP_SIZE rows or with the row that brings them to
+contracts.ROW_GROUP_TOKENS prompt + output tokens (contracts.row_group_ends; the output lengths
+come from a first pass over the generated shard's output_ids, READ_ROWS rows at a time). Each
+batch's kept rows are one output row group. Input row groups (token-bounded the same way by the
+stages that write them) are read when a batch first needs them and dropped after the last batch
+that needs them, and list columns are read without a memory map (a mapped file's pages stay in
+the job's RSS): memory stays at a few bounded row groups when the inputs are sorted by prompt_id
+(as every stage writes them), whatever the shard size or output length
+(`benchmarks/bench_merge.py --memory 200,2000 --samples 12000`, README).
 """
 
 from __future__ import annotations
@@ -91,7 +94,8 @@ class _RowGroupColumn:
     """
 
     def __init__(self, path, column: str, batches: list[np.ndarray]):
-        self.pf = pq.ParquetFile(path, memory_map=True)
+        # No memory map: every page of a mapped file read once stays in the RSS until the end.
+        self.pf = pq.ParquetFile(path, memory_map=False)
         self.column = column
         sizes = [self.pf.metadata.row_group(i).num_rows for i in range(self.pf.num_row_groups)]
         self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -232,6 +236,17 @@ def concat_lists(p_off, p_val, o_off, o_val):
     return off, ids, mask
 
 
+def _list_lengths(path, column: str) -> np.ndarray:
+    """The list lengths of one column of a Parquet file (int64, nulls 0), decoded READ_ROWS rows
+    at a time: what batching by tokens needs, in the memory of READ_ROWS rows."""
+    pf = pq.ParquetFile(path, memory_map=False)
+    parts = [
+        pc.fill_null(pc.list_value_length(b.column(0)), 0).to_numpy()
+        for b in pf.iter_batches(batch_size=READ_ROWS, columns=[column], use_threads=False)
+    ]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
 def _read_scalar(path, columns) -> pa.Table:
     # ParquetFile.read, not pq.read_table: the latter imports pyarrow.dataset and pandas
     # (~0.2 s of every merge job).
@@ -351,7 +366,15 @@ def merge_shard(
         sort_keys=[("p", "ascending"), ("k", "ascending")],
     ).to_numpy()
     cand = cand[order]
-    batches_g = [cand[i : i + BATCH_ROWS] for i in range(0, len(cand), BATCH_ROWS)]
+    # A batch (and the output row group it becomes) ends at BATCH_ROWS candidates or with the
+    # one that brings it to contracts.ROW_GROUP_TOKENS prompt + output tokens: the working set
+    # is one bounded batch whatever the output length. Its kept rows hold no more tokens than
+    # its candidates, so the writer cuts them into the same single row group.
+    cand_tokens = (
+        tok_counts[tidx[cand]].astype(np.int64) + _list_lengths(generated, "output_ids")[cand]
+    )
+    ends = contracts.row_group_ends(cand_tokens, BATCH_ROWS)
+    batches_g = [cand[a:b] for a, b in zip([0, *ends], ends, strict=False)]
     batches_t = [tidx[b] for b in batches_g]
 
     # One pass: every batch is read once, validated, and its kept rows built and handed to a

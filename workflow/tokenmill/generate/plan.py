@@ -17,6 +17,8 @@ job's engine): `--throughput`, else what the pilot measured (a lower bound: a pi
 requests does not fill the engine's batch the way a shard does). Job hours = tokens to generate /
 throughput; GPU-hours = job hours x GPUs per job (gpus x nnodes). Engine start-up (once per job)
 is not included. The largest shard's hours are compared with generation.resources.runtime_min.
+Each category's generate jobs: the memory, runtime, CPUs and GPUs they ask for at attempts 1, 2
+and 3 (the profile's `retries: 2`), from generate/resources.py, the resolver the rule uses.
 
 A `context: regenerated` category (docs/multi-turn.md) counts conversations as prompts; its
 requests still to send are the turns not journaled yet, found by replaying the journal as the
@@ -55,7 +57,7 @@ import pyarrow.parquet as pq
 
 from tokenmill import contracts, keys
 from tokenmill.generate import conversations, job, journal
-from tokenmill.generate.resources import category_resources, gpus_per_job
+from tokenmill.generate.resources import category_resources, gpus_per_job, job_resources
 from tokenmill.redaction import redact
 from tokenmill.settings import ConfigError, Settings, load_config_file
 from tokenmill.tokenization.shards import shard_names
@@ -227,6 +229,9 @@ def _row(
         "expected_output_tokens": round(n_send * mean_out),
         "gpus_per_job": gpus_per_job(config, cp.category),
         "runtime_min": res.runtime_min,
+        # what each generate job of the category asks SLURM for, attempt by attempt (the rule's
+        # own resources: generate/resources.py)
+        "job_resources": job_request(config, cp.category),
         "job_hours": None,
         "gpu_hours": None,
         "largest_shard_min": None,
@@ -245,6 +250,36 @@ def _row(
 
 
 DEFAULT_KEEP = 0.95  # --keep
+PLANNED_ATTEMPTS = 3  # attempts shown: profiles/slurm's `retries: 2` gives a job three
+
+
+def job_request(config, category: str) -> dict:
+    """The memory (MB), runtime (minutes), CPUs and GPUs one generate job of `category` asks
+    for at attempts 1..PLANNED_ATTEMPTS, from the resolver the generate rule uses."""
+    asked = [job_resources(config, category, n) for n in range(1, PLANNED_ATTEMPTS + 1)]
+    first = asked[0]
+    return {
+        "mem_mb": [r["mem_mb"] for r in asked],
+        "runtime_min": [r["runtime"] for r in asked],
+        "cpus": first["cpus_per_task"],
+        "gpus_per_job": gpus_per_job(config, category),
+        "nodes": first["nodes"],
+    }
+
+
+def format_requests(rows: list[dict]) -> list[str]:
+    """One line per category: what its generate jobs ask for at each attempt."""
+    lines = []
+    for r in rows:
+        j = r["job_resources"]
+        mem = "/".join(str(m) for m in j["mem_mb"])
+        runtime = "/".join(str(m) for m in j["runtime_min"])
+        nodes = f" on {j['nodes']} nodes" if j["nodes"] > 1 else ""
+        lines.append(
+            f"generate job {r['category']}: mem {mem} MB, runtime {runtime} min at attempts "
+            f"1/2/3; {j['cpus']} CPUs, {j['gpus_per_job']} GPUs{nodes} (generation.resources)"
+        )
+    return lines
 
 
 def tokenize_command(configfile: str = "config.yaml") -> str:
@@ -383,6 +418,7 @@ def format_table(plan: dict) -> str:
             f"{pilot.get('output_tokens')} output tokens of {pilot.get('requests')} requests in "
             f"{pilot.get('wall_s')} s, engine start-up excluded)"
         )
+    lines += format_requests(rows)
     lines.append(
         f"cut: outputs that ended at max_new_tokens={plan['max_new_tokens']} (merge drops "
         f"them); max_new@keep: the max_new_tokens under which {plan['keep']:.0%} of them "
