@@ -111,9 +111,7 @@ def write_tokenized(path: Path, pids, offsets, values, n_shards: int, shard: int
     meta.update(extra or {})
     # Row groups cut as `tokenmill tokenize` cuts them (rows or tokens, whichever first).
     with contracts.ParquetWriter(path, contracts.TOKENIZED, "tokenize", meta) as writer:
-        buf = journal.RowGroupBuffer(
-            writer.write, "prompt_ids", max_tokens=tokenize_stage.ROW_GROUP_TOKENS
-        )
+        buf = contracts.RowGroupBuffer(writer.write, "prompt_ids")
         buf.add(table)
         buf.finish()
 

@@ -95,3 +95,35 @@ def test_model_vocab_size(tmp_path):
     assert model.model_vocab_size("mm", tmp_path)[0] == 9
     assert model.model_vocab_size("nobody/nothing", tmp_path)[0] is None
     assert model.model_vocab_size(None)[0] is None
+
+
+def test_row_groups_end_at_rows_or_with_the_row_that_reaches_the_tokens(tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    lengths = [3, 3, 3, 1, 1, 20, 1, 1, 1, 1, 1]
+    # 3+3+3 reaches 10 only with the 4th row; the 20-token row closes a group; then 4 rows
+    assert contracts.row_group_ends(np.array(lengths), 4, 10) == [4, 6, 10, 11]
+    assert contracts.row_group_ends(np.zeros(9, np.int64), 4, 10) == [4, 8, 9]
+    assert contracts.row_group_ends(np.zeros(0, np.int64), 4, 10) == []
+    # Every writer of a contract cuts the same way, whatever the batches it is handed.
+    monkeypatch.setattr(contracts, "ROW_GROUP_SIZE", 4)
+    monkeypatch.setattr(contracts, "ROW_GROUP_TOKENS", 10)
+    rows = [
+        {"prompt_id": f"p{i}", "sample_key": "k", "output_ids": [7] * n}
+        for i, n in enumerate(lengths)
+    ]
+    cols = {f.name: [r.get(f.name) for r in rows] for f in contracts.GENERATED}
+    table = pa.table(cols, schema=contracts.GENERATED)
+    path = tmp_path / "g.parquet"
+    contracts.write_table(table, path, contracts.GENERATED, "generate")
+    pf = pq.ParquetFile(path)
+    sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
+    assert sizes == [4, 2, 4, 1]
+    got = []
+    buf = contracts.RowGroupBuffer(got.append, "output_ids")
+    for part in (table.slice(0, 5), table.slice(5, 1), table.slice(6)):
+        buf.add(part)
+    buf.finish()
+    assert [t.num_rows for t in got] == sizes
+    # Rows without token lists (prompts, rejected rows) are cut at ROW_GROUP_SIZE rows only.
+    assert contracts.row_tokens(pa.table({"prompt_id": ["a", "b"]})).tolist() == [0, 0]

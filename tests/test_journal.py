@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from tokenmill import keys
+from tokenmill import contracts, keys
 from tokenmill.generate import journal
 
 GEN = {
@@ -149,7 +149,7 @@ def test_row_groups_end_at_rows_or_tokens():
     import pyarrow as pa
 
     got = []
-    buf = journal.RowGroupBuffer(got.append, "output_ids", max_rows=4, max_tokens=10)
+    buf = contracts.RowGroupBuffer(got.append, "output_ids", max_rows=4, max_tokens=10)
     for lengths in ([3, 3], [3, 1, 1], [20], [1, 1, 1, 1, 1]):
         buf.add(pa.table({"output_ids": [[7] * n for n in lengths]}))
     buf.finish()

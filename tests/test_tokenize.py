@@ -458,7 +458,7 @@ def test_editing_one_prompt_changes_only_its_shards(
 ):
     # Small row groups and chunks: the edit shifts chunk boundaries and row-group cuts, which
     # must not leak into other shards.
-    monkeypatch.setattr(tk, "ROW_GROUP_TOKENS", 400)
+    monkeypatch.setattr(contracts, "ROW_GROUP_TOKENS", 400)
     n = 5
     rows = prompt_rows(synthetic_convs(120, seed=1))
     edited, old, new = _edit_into(rows, n, same_shard)

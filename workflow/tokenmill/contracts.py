@@ -12,11 +12,12 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 # Bump when a column is added, removed or changes meaning; it travels in every file's metadata.
@@ -194,7 +195,97 @@ WRITER_OPTIONS = dict(
     data_page_version="1.0",
     store_schema=True,
 )
+# A row group of every file ends at ROW_GROUP_SIZE rows or with the row that brings it to
+# ROW_GROUP_TOKENS tokens, whichever comes first (`row_group_ends`): a reader's and a writer's
+# working set is one row group, so memory follows the bound, not the output length (1 << 20
+# tokens is 4 MiB of int32 ids). A row's tokens are the lengths of its TOKEN_COLUMNS. Short rows
+# never reach the token bound: their files are cut at ROW_GROUP_SIZE rows, as before it existed.
 ROW_GROUP_SIZE = 8192
+ROW_GROUP_TOKENS = 1 << 20
+# The token-list columns of the contracts (DATASET's loss_mask has input_ids' length; nested
+# lists of TOKENIZED_CONVERSATIONS are not counted).
+TOKEN_COLUMNS = ("prompt_ids", "output_ids", "turn_prompt_ids", "input_ids")
+
+
+def row_tokens(table: pa.Table, columns: Iterable[str] | None = None) -> np.ndarray:
+    """Tokens of each row (int64): the summed lengths of its `columns` (default: the
+    TOKEN_COLUMNS it has; null lists count 0)."""
+    names = [c for c in (TOKEN_COLUMNS if columns is None else columns) if c in table.schema.names]
+    tokens = np.zeros(table.num_rows, dtype=np.int64)
+    for name in names:
+        lengths = pc.fill_null(pc.list_value_length(table.column(name)), 0)
+        tokens += lengths.to_numpy().astype(np.int64)
+    return tokens
+
+
+def row_group_ends(
+    tokens: np.ndarray, max_rows: int | None = None, max_tokens: int | None = None
+) -> list[int]:
+    """Where row groups of rows with these token counts end (exclusive row indices, the last
+    one len(tokens)): a group ends at `max_rows` rows (ROW_GROUP_SIZE) or with the row that
+    brings it to `max_tokens` tokens (ROW_GROUP_TOKENS), whichever comes first. A function of
+    the rows alone, so every writer and reader that cuts the same rows cuts them the same way."""
+    max_rows = ROW_GROUP_SIZE if max_rows is None else max_rows
+    max_tokens = ROW_GROUP_TOKENS if max_tokens is None else max_tokens
+    cum = np.cumsum(np.asarray(tokens, dtype=np.int64))
+    ends, start, base = [], 0, 0
+    n = len(cum)
+    while start < n:
+        over = int(np.searchsorted(cum, base + max_tokens, side="left"))
+        end = min(start + max_rows, over + 1, n)
+        ends.append(end)
+        base, start = int(cum[end - 1]), end
+    return ends
+
+
+class RowGroupBuffer:
+    """Cuts a stream of tables into row groups by `row_group_ends` (a rule that depends only on
+    the rows, not on how they arrive). `token_column` names the column whose list lengths are a
+    row's tokens (None: rows only). `sink` gets one table per row group (the generated shard, a
+    compacted journal file)."""
+
+    def __init__(
+        self,
+        sink: Callable[[pa.Table], None],
+        token_column: str | None,
+        max_rows: int | None = None,
+        max_tokens: int | None = None,
+    ):
+        self.sink, self.column = sink, token_column
+        self.max_rows = ROW_GROUP_SIZE if max_rows is None else max_rows
+        self.max_tokens = ROW_GROUP_TOKENS if max_tokens is None else max_tokens
+        self._parts: list[pa.Table] = []
+        self._lengths: list[np.ndarray] = []
+        self._rows = 0
+        self._tokens = 0
+
+    def add(self, table: pa.Table) -> None:
+        if table.num_rows == 0:
+            return
+        columns = [] if self.column is None else [self.column]
+        lengths = row_tokens(table, columns)
+        self._parts.append(table)
+        self._lengths.append(lengths)
+        self._rows += table.num_rows
+        self._tokens += int(lengths.sum())
+        while self._rows >= self.max_rows or self._tokens >= self.max_tokens:
+            self._flush_one()
+
+    def _flush_one(self) -> None:
+        table = pa.concat_tables(self._parts)
+        lengths = np.concatenate(self._lengths)
+        cut = row_group_ends(lengths, self.max_rows, self.max_tokens)[0]
+        self.sink(table.slice(0, cut))
+        rest = table.slice(cut)
+        self._parts = [rest] if rest.num_rows else []
+        self._lengths = [lengths[cut:]] if rest.num_rows else []
+        self._rows = rest.num_rows
+        self._tokens = int(lengths[cut:].sum())
+
+    def finish(self) -> None:
+        if self._rows:
+            self.sink(pa.concat_tables(self._parts))
+        self._parts, self._lengths, self._rows, self._tokens = [], [], 0, 0
 
 
 def canonical_json(value) -> str:
@@ -281,7 +372,12 @@ class ParquetWriter:
             data = pa.Table.from_batches([data])
         data = data.select(self.schema.names).cast(self.schema.remove_metadata())
         data = data.replace_schema_metadata(self.schema.metadata)
-        self._writer.write_table(data, row_group_size=ROW_GROUP_SIZE)
+        if data.num_rows == 0:  # an empty row group, as pyarrow writes one
+            self._writer.write_table(data, row_group_size=ROW_GROUP_SIZE)
+        start = 0
+        for end in row_group_ends(row_tokens(data)):  # one row group each
+            self._writer.write_table(data.slice(start, end - start), row_group_size=end - start)
+            start = end
         self.rows += data.num_rows
 
     def add_metadata(self, metadata: Mapping[str, object]) -> None:

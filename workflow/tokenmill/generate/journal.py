@@ -66,10 +66,10 @@ MANIFEST = "journal.json"
 LAYOUT_FORMAT = 2
 LOCK = ".lock"
 
-# A row group of a compacted file (and of the generated shard) ends at contracts.ROW_GROUP_SIZE
-# rows or once it holds this many tokens: bounds a job's memory to about 32 MiB of ids per
-# buffered row group whatever the output length (at 8192 rows that is 1024 tokens a row).
-ROW_GROUP_TOKENS = 1 << 23
+# A row group of a compacted file (and of the generated shard) ends as contracts.row_group_ends
+# says (contracts.RowGroupBuffer): a job's memory per buffered row group is bounded by
+# contracts.ROW_GROUP_TOKENS whatever the output length.
+
 # Records decoded from JSONL at once (Python lists of ints are ~36 bytes a token).
 DECODE_BATCH = 256
 
@@ -254,58 +254,6 @@ def _fsync(path: Path) -> None:
 
 def _write_parquet(path: Path, schema: pa.Schema) -> pq.ParquetWriter:
     return pq.ParquetWriter(path, schema, **contracts.WRITER_OPTIONS)
-
-
-class RowGroupBuffer:
-    """Cuts a stream of tables into row groups by a rule that depends only on the rows:
-    `max_rows` rows, or fewer once they hold `max_tokens` tokens of `token_column`. `sink` gets
-    one table per row group (the generated shard, a compacted journal file)."""
-
-    def __init__(
-        self,
-        sink: Callable[[pa.Table], None],
-        token_column: str | None,
-        max_rows: int = contracts.ROW_GROUP_SIZE,
-        max_tokens: int = ROW_GROUP_TOKENS,
-    ):
-        self.sink, self.column = sink, token_column
-        self.max_rows, self.max_tokens = max_rows, max_tokens
-        self._parts: list[pa.Table] = []
-        self._lengths: list[np.ndarray] = []
-        self._rows = 0
-        self._tokens = 0
-
-    def add(self, table: pa.Table) -> None:
-        if table.num_rows == 0:
-            return
-        if self.column is None:
-            lengths = np.zeros(table.num_rows, dtype=np.int64)
-        else:
-            lengths = pc.fill_null(pc.list_value_length(table.column(self.column)), 0)
-            lengths = lengths.to_numpy().astype(np.int64)
-        self._parts.append(table)
-        self._lengths.append(lengths)
-        self._rows += table.num_rows
-        self._tokens += int(lengths.sum())
-        while self._rows >= self.max_rows or self._tokens >= self.max_tokens:
-            self._flush_one()
-
-    def _flush_one(self) -> None:
-        table = pa.concat_tables(self._parts)
-        cum = np.cumsum(np.concatenate(self._lengths))
-        over = np.flatnonzero(cum >= self.max_tokens)
-        cut = min(self.max_rows, int(over[0]) + 1 if len(over) else len(cum))
-        self.sink(table.slice(0, cut))
-        rest = table.slice(cut)
-        self._parts = [rest] if rest.num_rows else []
-        self._lengths = [np.concatenate(self._lengths)[cut:]] if rest.num_rows else []
-        self._rows = rest.num_rows
-        self._tokens = int(cum[-1] - cum[cut - 1])
-
-    def finish(self) -> None:
-        if self._rows:
-            self.sink(pa.concat_tables(self._parts))
-        self._parts, self._lengths, self._rows, self._tokens = [], [], 0, 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -628,7 +576,7 @@ class Compaction:
         self.stale_added = 0
         self._meta = {contracts.META_CATEGORY: category, contracts.META_SHARD: journal.shard}
         self._writer: pq.ParquetWriter | None = None
-        self._buf = RowGroupBuffer(self._write, "output_ids")
+        self._buf = contracts.RowGroupBuffer(self._write, "output_ids")
 
     def _write(self, table: pa.Table) -> None:
         if self._writer is None:
@@ -663,7 +611,7 @@ class Compaction:
         have: set[str] = set()
         schema = contracts.with_metadata(JOURNAL, "journal", self._meta)
         writer = _write_parquet(self.stale_tmp, schema)
-        buf = RowGroupBuffer(
+        buf = contracts.RowGroupBuffer(
             lambda t: writer.write_table(t, row_group_size=contracts.ROW_GROUP_SIZE), "output_ids"
         )
         if self.j.stale.is_file():

@@ -162,8 +162,8 @@ def write_outputs(job: Job, gen_w, rej_w, compaction) -> int:
     shard, index, pre_rejected = job.shard, job.index, job.pre_rejected
     unjournaled = job.unjournaled
     order = sorted(range(len(shard)), key=shard.prompt_id.__getitem__)
-    gen_buf = journal.RowGroupBuffer(gen_w.write, "output_ids")
-    rej_buf = journal.RowGroupBuffer(rej_w.write, None)
+    gen_buf = contracts.RowGroupBuffer(gen_w.write, "output_ids")
+    rej_buf = contracts.RowGroupBuffer(rej_w.write, None)
     compacted: set[str] = set()
     out_tokens = 0
     for start in range(0, len(order), FETCH_ROWS):

@@ -21,10 +21,11 @@ K processes, each encoding whole chunks. --processes P overrides that choice.
 
 Streaming: the prompts file (sorted by prompt_id) is read by record batches; each shard's rows
 arrive in prompt_id order and are cut into row groups by a rule that depends only on that
-shard's own rows (ROW_GROUP_SIZE rows or ROW_GROUP_TOKENS tokens), so a prompt edited in one
-shard leaves every other shard byte-identical. Row groups are spilled to a temporary Arrow IPC
-file per shard and copied into the final Parquet file at the end, because the shard's counts
-(records_in / kept / rejected) go in its metadata, which is written when the file is opened.
+shard's own rows (contracts.row_group_ends: ROW_GROUP_SIZE rows or ROW_GROUP_TOKENS tokens), so
+a prompt edited in one shard leaves every other shard byte-identical. Row groups are spilled to
+a temporary Arrow IPC file per shard and copied into the final Parquet file at the end, because
+the shard's counts (records_in / kept / rejected) go in its metadata, which is written when the
+file is opened.
 All N shard files are always written, empty ones too.
 
 --stop-tokens (generation.stop_tokens) are resolved to ids with the loaded tokenizer and written
@@ -75,9 +76,8 @@ from tokenmill.tokenization import shards
 
 STAGE = "tokenize"
 CHUNK_ROWS = 1024
-# A shard's row group ends at ROW_GROUP_SIZE rows or once it holds this many tokens, whichever
-# comes first: bounds memory to about shards x 4 MiB of buffered ids for long prompts.
-ROW_GROUP_TOKENS = 1 << 20
+# A shard's row group ends as contracts.row_group_ends says (ROW_GROUP_SIZE rows or
+# ROW_GROUP_TOKENS tokens): bounds memory to about shards x 4 MiB of buffered ids for long prompts.
 REJECTED_GROUP_ROWS = 1024
 DETAIL_MAX_CHARS = 500
 
@@ -300,20 +300,18 @@ class ShardSpill(ShardCounts):
         self._rows += table.num_rows
         self._tokens += int(pc.sum(table["num_prompt_tokens"]).as_py() or 0)
         self.kept += table.num_rows
-        while self._rows >= contracts.ROW_GROUP_SIZE or self._tokens >= ROW_GROUP_TOKENS:
+        while self._rows >= contracts.ROW_GROUP_SIZE or self._tokens >= contracts.ROW_GROUP_TOKENS:
             self._flush_one()
 
     def _flush_one(self) -> None:
         table = pa.concat_tables(self._buffer).combine_chunks()
-        counts = table["num_prompt_tokens"].to_numpy()
-        cum = np.cumsum(counts, dtype=np.int64)
-        over = np.flatnonzero(cum >= ROW_GROUP_TOKENS)
-        cut = min(contracts.ROW_GROUP_SIZE, int(over[0]) + 1 if len(over) else len(counts))
+        counts = table["num_prompt_tokens"].to_numpy().astype(np.int64)
+        cut = contracts.row_group_ends(counts)[0]
         self._write(table.slice(0, cut))
         rest = table.slice(cut)
         self._buffer = [rest] if rest.num_rows else []
         self._rows = rest.num_rows
-        self._tokens = int(cum[-1] - cum[cut - 1])
+        self._tokens = int(counts[cut:].sum())
 
     def _write(self, table: pa.Table) -> None:
         self.tokens += int(pc.sum(table["num_prompt_tokens"]).as_py() or 0)
