@@ -68,16 +68,18 @@ log = logging.getLogger("tokenmill.generate")
 
 
 class TurnItem(Item):
-    """An Item whose prompt ids are held as int32 (4 bytes a token, not a Python list's ~36)
-    and become a list only when the request is built."""
+    """An Item whose prompt ids are held as int32 (4 bytes a token, not a Python list's ~36),
+    or read from the tokenized shard (a first turn), and become a list only when the request
+    is built."""
 
-    def __init__(self, prompt_id: str, key: str, prompt: np.ndarray, seed: int | None):
+    def __init__(self, prompt_id: str, key: str, prompt, seed: int | None):
         self.prompt_id, self.key, self.seed = prompt_id, key, seed
-        self._prompt = prompt
+        self._prompt = prompt  # an int32 array, or a callable that gives one
 
     @property
     def prompt_ids(self) -> list[int]:
-        return self._prompt.tolist()
+        p = self._prompt
+        return (p() if callable(p) else p).tolist()
 
 
 class TurnPrompts:
@@ -142,7 +144,8 @@ class Conversations:
         self.end: list[str | None] = [None] * n
         # The last turn's record of a conversation a refusal or an engine error ended.
         self.failed: dict[int, dict] = {}
-        self.prompt: list[np.ndarray | None] = [None] * n  # the next turn's (None: the first)
+        # The next turn's prompt of a conversation past its first turn (None: not held).
+        self.prompt: list[np.ndarray | None] = [None] * n
         self.answers: dict[int, list[np.ndarray]] = {}  # not prefix-exact, still going
         self.waiting: dict[str, list[int]] = {}  # key -> conversations waiting for it
         self.items: dict[str, Item] = {}  # key -> the item of a turn not answered yet
@@ -175,11 +178,12 @@ class Conversations:
         )
 
     def current_prompt(self, c: int) -> np.ndarray:
+        """The prompt of conversation c's next turn: a first prompt is read from the tokenized
+        shard each time (not held), a later one is held until its answer came."""
         p = self.prompt[c]
         if p is None:
             col = self._table.column("prompt_ids")
-            p = np.asarray(col[c].values.to_numpy(zero_copy_only=False), dtype=np.int32).copy()
-            self.prompt[c] = p
+            p = np.asarray(col[c].values.to_numpy(zero_copy_only=False), dtype=np.int32)
         return p
 
     def _next_prompt(self, c: int, prompt: np.ndarray, out: list[int], k: int) -> np.ndarray:
@@ -206,6 +210,8 @@ class Conversations:
         prompt = self.current_prompt(c)
         key = keys.sample_key(self.fingerprint, prompt)
         seed = keys.sampling_seed(key) if self.seed_policy == "per_sample" else None
+        if self.prompt[c] is None:  # a first turn: read again when the request is built
+            return TurnItem(self.prompt_ids[c], key, lambda: self.current_prompt(c), seed)
         return TurnItem(self.prompt_ids[c], key, prompt, seed)
 
     # -- progress
@@ -353,7 +359,7 @@ class Conversations:
         """Generated turns and rejected conversations, prompt_id order, in job.args.out and
         job.args.rejected, streamed: the turns' records are read from the journal and their
         prompts from the scratch file FETCH_ROWS turns at a time, and cut into row groups
-        (journal.RowGroupBuffer, bounded in rows and in prompt tokens). Returns (turn rows,
+        (contracts.RowGroupBuffer, bounded in rows and in prompt tokens). Returns (turn rows,
         rejected rows). Every conversation is counted once: kept (one or more turn rows) or
         rejected (its first turn was refused)."""
         index = job.index
@@ -365,8 +371,8 @@ class Conversations:
         )
         kept = 0
         with gen_w, rej_w:
-            gen_buf = journal.RowGroupBuffer(gen_w.write, "turn_prompt_ids")
-            rej_buf = journal.RowGroupBuffer(rej_w.write, None)
+            gen_buf = contracts.RowGroupBuffer(gen_w.write, "turn_prompt_ids")
+            rej_buf = contracts.RowGroupBuffer(rej_w.write, None)
             batch: list[tuple[int, int]] = []  # (conversation, turn)
             rejected: list[dict] = []
 
