@@ -59,8 +59,8 @@ def generate(tmp: Path, tokenized: Path, tag: str) -> dict:
     meta = json.loads((tmp / f"{tag}.m.json").read_text())
     kib = int((tmp / f"{tag}.time").read_text().split()[-1])
     return {"peak_rss_mib": round(kib / 1024, 1), "wall_s": round(wall, 1),
-            "requested": meta["counts"]["requested"],
-            "turns_from_journal": meta["counts"]["turns_from_journal"]}  # fmt: skip
+            **{k: meta["counts"].get(k) for k in ("requested", "retries", "engine_errors",
+                                                  "turns_from_journal")}}  # fmt: skip
 
 
 def merge(tmp: Path, tokenized: Path) -> dict:

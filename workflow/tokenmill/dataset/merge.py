@@ -470,7 +470,13 @@ def merge_conversation_shard(
 
     Counted in conversations (records_*: in = conversations generated + not_generated = kept,
     those with a dataset row, + rejected, those without; tokenized conversations = in +
-    generate's rejected) and in turns (turns_*: generated turn rows = kept + rejected)."""
+    generate's rejected) and in turns (turns_*: generated turn rows = kept + rejected).
+
+    Streamed: the token columns are read in batches of whole conversations (about
+    CONVERSATION_BATCH_ROWS turn rows, input row groups released after their last batch), once
+    to validate (only a reason and a reasoning count per turn are kept, so the counts that go
+    into the file's metadata are known before its first row) and once to build the rows, which
+    are cut into row groups as they come (contracts.RowGroupBuffer)."""
     res = MergeResult()
     tok_pids = _read_scalar(tokenized, ["prompt_id"]).column("prompt_id").to_pylist()
     gen = _read_scalar(
