@@ -70,6 +70,8 @@ READ_ROWS = 1024  # rows an input list column is decoded at a time (_RowGroupCol
 # memory follow output length.
 OVERLAP_BYTES = 32 << 20
 COUNT_VALUES = 1 << 20  # output ids per np.bincount of the token counts
+# Generated turn rows of whole conversations read at a time by merge_conversation_shard.
+CONVERSATION_BATCH_ROWS = READ_ROWS
 
 
 ConservationError = contracts.ConservationError  # the counts of a shard do not add up
@@ -491,50 +493,89 @@ def merge_conversation_shard(
 
     Counted in conversations (records_*: in = conversations generated + not_generated = kept,
     those with a dataset row, + rejected, those without; tokenized conversations = in +
-    generate's rejected) and in turns (turns_*: generated turn rows = kept + rejected)."""
+    generate's rejected) and in turns (turns_*: generated turn rows = kept + rejected).
+
+    Streamed: the token columns are read in batches of whole conversations (about
+    CONVERSATION_BATCH_ROWS turn rows, input row groups released after their last batch), once
+    to validate (only a reason and a reasoning count per turn are kept, so the counts that go
+    into the file's metadata are known before its first row) and once to build the rows, which
+    are cut into row groups as they come (contracts.RowGroupBuffer)."""
     res = MergeResult()
     tok_pids = _read_scalar(tokenized, ["prompt_id"]).column("prompt_id").to_pylist()
-    gen = pq.read_table(generated)
+    gen = _read_scalar(
+        generated, ["prompt_id", "sample_key", "finish_type", "turn", "prefix_exact"]
+    ).combine_chunks()
     res.tokenized, res.generated = len(tok_pids), gen.num_rows
     gen_rej = set(_generate_rejected(generate_rejected).to_pylist())
     res.generate_rejected = len(gen_rej)
-    p_val, p_off = contracts.list_arrays(gen.column("turn_prompt_ids"))
-    o_val, o_off = contracts.list_arrays(gen.column("output_ids"))
-    expected = np.array(keys.sample_keys(generation_fp, (p_val, p_off)), dtype=object)
-    got = gen.column("sample_key").to_numpy(zero_copy_only=False)
-    reason = validate.validate(
-        rules, p_val, p_off, o_val, o_off, gen.column("finish_type").to_pylist(), expected == got
-    )
     pids = gen.column("prompt_id").to_pylist()
     exact = gen.column("prefix_exact").to_pylist()
     keys_ = gen.column("sample_key").to_pylist()
     turn_no = gen.column("turn").to_pylist()
+    finish = gen.column("finish_type").to_pylist()
     by_conv: dict[str, list[int]] = {}
     for i, pid in enumerate(pids):
         by_conv.setdefault(pid, []).append(i)
     known = set(tok_pids)
     rejects = _Rejects(category, shard)
-    # kept rows: (generated row of the sample, prompt + output ids, loss mask, output tokens,
-    # reasoning tokens)
-    rows: list[tuple[int, np.ndarray, np.ndarray, int, int | None]] = []
 
-    def turn(i):
-        return (p_val[p_off[i] : p_off[i + 1]], o_val[o_off[i] : o_off[i + 1]])
+    # Batches of whole conversations (prompt_id order) of about CONVERSATION_BATCH_ROWS turn
+    # rows: the token columns are read a batch at a time, twice (validation, then the rows).
+    batches: list[list[str]] = [[]]
+    n_rows = 0
+    for pid in sorted(p for p in by_conv if p in known):
+        if n_rows >= CONVERSATION_BATCH_ROWS:
+            batches.append([])
+            n_rows = 0
+        batches[-1].append(pid)
+        n_rows += len(by_conv[pid])
+    batch_rows = [np.array([i for pid in b for i in by_conv[pid]], np.int64) for b in batches]
 
-    def reject(i, code, detail):
-        rejects.add(code, pids[i], detail, {"sample_key": keys_[i], "turn": int(turn_no[i])})
+    def turn_tokens(cols, rows, b):
+        """(prompt values, offsets, output values, offsets) of generated rows `rows`."""
+        p_val, p_off = contracts.list_arrays(cols[0].take(rows, b))
+        o_val, o_off = contracts.list_arrays(cols[1].take(rows, b))
+        return p_val, p_off, o_val, o_off
 
-    # Every turn's reasoning tokens in one batch, as for a plain shard (None without think-end).
-    all_off, all_ids, all_mask = concat_lists(p_off, p_val, o_off, o_val)
-    still_open = validate.unterminated(
-        all_ids, all_off, np.diff(p_off), rules.think_start_id, rules.think_end_id
-    )
-    turn_reasoning, _ = validate.reasoning_counts(o_val, o_off, rules.think_end_id, still_open)
+    def token_columns():
+        return (
+            _RowGroupColumn(generated, "turn_prompt_ids", batch_rows),
+            _RowGroupColumn(generated, "output_ids", batch_rows),
+        )
+
+    # Pass 1: every turn validated like any sample, its reasoning tokens counted (None without
+    # think-end), as for a plain shard; only these per-turn numbers are kept.
+    reason = np.full(gen.num_rows, validate.OK, np.int64)
+    turn_reasoning = None
+    cols = token_columns()
+    for b, rows in enumerate(batch_rows):
+        p_val, p_off, o_val, o_off = turn_tokens(cols, rows, b)
+        expected = np.array(keys.sample_keys(generation_fp, (p_val, p_off)), dtype=object)
+        got = np.array([keys_[i] for i in rows], dtype=object)
+        reason[rows] = validate.validate(
+            rules, p_val, p_off, o_val, o_off, [finish[i] for i in rows], expected == got
+        )
+        all_off, all_ids, _ = concat_lists(p_off, p_val, o_off, o_val)
+        still_open = validate.unterminated(
+            all_ids, all_off, np.diff(p_off), rules.think_start_id, rules.think_end_id
+        )
+        counted, _ = validate.reasoning_counts(o_val, o_off, rules.think_end_id, still_open)
+        if counted is not None:
+            if turn_reasoning is None:
+                turn_reasoning = np.zeros(gen.num_rows, np.int64)
+            turn_reasoning[rows] = counted
+    del cols
 
     def reasoning_of(i):
         return None if turn_reasoning is None else int(turn_reasoning[i])
 
-    kept_convs = exact_kept = 0
+    def reject(i, code, detail):
+        rejects.add(code, pids[i], detail, {"sample_key": keys_[i], "turn": int(turn_no[i])})
+
+    # What each conversation keeps (its turns up to the first invalid one): decided from the
+    # reasons alone, so the counts are known before a row is written.
+    good_turns: dict[str, list[int]] = {}
+    kept_rows = exact_kept = 0
     for pid in sorted(by_conv):
         turns = by_conv[pid]
         if pid not in known:
@@ -552,28 +593,13 @@ def merge_conversation_shard(
             good.append(i)
         if not good:
             continue
-        kept_convs += 1
+        good_turns[pid] = good
         if exact[good[0]]:
-            last_p, last_o = turn(good[-1])
-            ids = np.concatenate([last_p, last_o])
-            mask = np.zeros(len(ids), np.int8)
-            n_out, n_reason = 0, 0 if rules.think_end_id is not None else None
-            for i in good:
-                p, o = turn(i)
-                if not np.array_equal(ids[: len(p) + len(o)], np.concatenate([p, o])):
-                    raise ConservationError(
-                        f"{pid}: turn prompts of a prefix-exact conversation do not nest"
-                    )
-                mask[len(p) : len(p) + len(o)] = 1
-                n_out += len(o)
-                if n_reason is not None:
-                    n_reason += reasoning_of(i)
-            rows.append((good[-1], ids, mask, n_out, n_reason))
             exact_kept += 1
+            kept_rows += 1
         else:
-            for i in good:
-                lo, hi = all_off[i], all_off[i + 1]
-                rows.append((i, all_ids[lo:hi], all_mask[lo:hi], len(turn(i)[1]), reasoning_of(i)))
+            kept_rows += len(good)
+    kept_convs = len(good_turns)
     not_generated = sorted(known - set(by_conv) - gen_rej)
     for pid in not_generated:
         rejects.not_generated(pid)
@@ -587,7 +613,7 @@ def merge_conversation_shard(
         what, len(known), kept_convs, merge_rejected, len(gen_rej & known), res.generated
     )
     turns_rejected = sum(1 for r in rejects.rows if r["reason"] != "not_generated")
-    res.kept, res.rejected = len(rows), len(rejects.rows)
+    res.kept, res.rejected = kept_rows, len(rejects.rows)
     res.reasons = rejects.reasons()
     meta = _file_meta(
         category,
@@ -613,21 +639,77 @@ def merge_conversation_shard(
             ),  # fmt: skip
             # samples (rows): one per prefix-exact conversation, one per turn otherwise
             contracts.META_CONVERSATION_SAMPLES: str(exact_kept),
-            contracts.META_TURN_SAMPLES: str(len(rows) - exact_kept),
+            contracts.META_TURN_SAMPLES: str(kept_rows - exact_kept),
         },
     )
-    lengths = np.array([len(r[1]) for r in rows], np.int64)
-    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    table = _dataset_table(
-        category,
-        gen.select(["prompt_id", "sample_key", "finish_type"]).take([r[0] for r in rows]),
-        off,
-        np.concatenate([r[1] for r in rows]) if rows else np.zeros(0, np.int32),
-        np.concatenate([r[2] for r in rows]) if rows else np.zeros(0, np.int8),
-        np.array([r[3] for r in rows], np.int64),
-        None if turn_reasoning is None else np.array([r[4] for r in rows], np.int64),
-    )
-    contracts.write_table(table, out, contracts.DATASET, "merge", meta)
+
+    # Pass 2: the kept rows, batch by batch, cut into row groups as they come.
+    scalars = gen.select(["prompt_id", "sample_key", "finish_type"])
+    cols = token_columns()
+
+    def dataset_rows(b: int, rows: np.ndarray) -> pa.Table | None:
+        """The DATASET rows of batch b's kept conversations."""
+        p_val, p_off, o_val, o_off = turn_tokens(cols, rows, b)
+        local = {int(i): j for j, i in enumerate(rows)}
+        all_off, all_ids, all_mask = concat_lists(p_off, p_val, o_off, o_val)
+
+        def turn(i):
+            j = local[i]
+            return p_val[p_off[j] : p_off[j + 1]], o_val[o_off[j] : o_off[j + 1]]
+
+        # (generated row of the sample, prompt + output ids, loss mask, output tokens,
+        # reasoning tokens)
+        out_rows: list[tuple[int, np.ndarray, np.ndarray, int, int | None]] = []
+        for pid in batches[b]:
+            good = good_turns.get(pid)
+            if good is None:
+                continue
+            if exact[good[0]]:
+                last_p, last_o = turn(good[-1])
+                ids = np.concatenate([last_p, last_o])
+                mask = np.zeros(len(ids), np.int8)
+                n_out, n_reason = 0, 0 if rules.think_end_id is not None else None
+                for i in good:
+                    p, o = turn(i)
+                    if not np.array_equal(ids[: len(p) + len(o)], np.concatenate([p, o])):
+                        raise ConservationError(
+                            f"{pid}: turn prompts of a prefix-exact conversation do not nest"
+                        )
+                    mask[len(p) : len(p) + len(o)] = 1
+                    n_out += len(o)
+                    if n_reason is not None:
+                        n_reason += reasoning_of(i)
+                out_rows.append((good[-1], ids, mask, n_out, n_reason))
+            else:
+                for i in good:
+                    lo, hi = all_off[local[i]], all_off[local[i] + 1]
+                    n_out = len(turn(i)[1])
+                    out_rows.append((i, all_ids[lo:hi], all_mask[lo:hi], n_out, reasoning_of(i)))
+        if not out_rows:
+            return None
+        lengths = np.array([len(r[1]) for r in out_rows], np.int64)
+        off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        return _dataset_table(
+            category,
+            scalars.take(pa.array([r[0] for r in out_rows], pa.int64())),
+            off,
+            np.concatenate([r[1] for r in out_rows]),
+            np.concatenate([r[2] for r in out_rows]),
+            np.array([r[3] for r in out_rows], np.int64),
+            None if turn_reasoning is None else np.array([r[4] for r in out_rows]),
+        )
+
+    with contracts.ParquetWriter(out, contracts.DATASET, "merge", meta) as writer:
+        buffer = contracts.RowGroupBuffer(writer.write, "input_ids")
+        for b, rows in enumerate(batch_rows):
+            table = dataset_rows(b, rows)
+            if table is not None:
+                buffer.add(table)
+        buffer.finish()
+        if writer.rows == 0:  # an empty shard is still a file with its schema
+            writer.write(contracts.DATASET.empty_table())
+        if writer.rows != kept_rows:
+            raise ConservationError(f"{what}: {writer.rows} rows written, {kept_rows} expected")
     rejects.write(rejected, meta)
     return res
 

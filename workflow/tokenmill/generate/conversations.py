@@ -24,6 +24,12 @@ the turn's prompt ids and why the conversation stopped; a conversation whose fir
 refused is a rejected row. Once every conversation ended, the shard's keys are known (every
 turn's) and its journal is compacted like a plain shard's (`compact`): records of other keys go
 to the stale file, which replay searches for a turn missing elsewhere.
+
+Memory follows the conversations in flight, not the shard (issue 19 item 5): a turn's prompt
+is spilled to an unnamed scratch file beside the output once its answer is journaled, a
+conversation that ended holds nothing but its turns' keys and places, and the output is
+written from the journal and the scratch file in row groups, as a plain shard's is
+(`benchmarks/bench_conversation_memory.py`, figures in docs/multi-turn.md).
 """
 
 from __future__ import annotations
@@ -32,8 +38,11 @@ import collections
 import json
 import logging
 import os
+import tempfile
 import time
+from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -58,13 +67,65 @@ from tokenmill.tokenization import conversations as conv
 log = logging.getLogger("tokenmill.generate")
 
 
+class TurnItem(Item):
+    """An Item whose prompt ids are held as int32 (4 bytes a token, not a Python list's ~36),
+    or read from the tokenized shard (a first turn), and become a list only when the request
+    is built."""
+
+    def __init__(self, prompt_id: str, key: str, prompt, seed: int | None):
+        self.prompt_id, self.key, self.seed = prompt_id, key, seed
+        self._prompt = prompt  # an int32 array, or a callable that gives one
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        p = self._prompt
+        return (p() if callable(p) else p).tolist()
+
+
+class TurnPrompts:
+    """Every answered turn's prompt ids, spilled to an unnamed scratch file as the turn is
+    answered and read back when the output is written: memory holds only a turn's place in it
+    (the prompts of a shard grow with the square of its turns; the output needs them all)."""
+
+    def __init__(self, directory):
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self._f = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 (closed by close())
+        self._end = 0
+
+    def put(self, prompt: np.ndarray) -> tuple[int, int]:
+        data = np.ascontiguousarray(prompt, dtype="<i4").tobytes()
+        at = self._end
+        os.pwrite(self._f.fileno(), data, at)
+        self._end += len(data)
+        return at, len(prompt)
+
+    def get(self, place: tuple[int, int]) -> np.ndarray:
+        at, n = place
+        return np.frombuffer(os.pread(self._f.fileno(), 4 * n, at), dtype="<i4")
+
+    def close(self) -> None:
+        self._f.close()
+
+
 class Conversations:
-    """The conversations of one shard and where each one stands."""
+    """The conversations of one shard and where each one stands.
+
+    Memory follows the conversations in flight, not the shard: the tokenized shard stays in
+    Arrow (a row is read when its conversation needs it); a conversation still going holds its
+    next prompt (int32) and, when not prefix-exact, its answers so far (to render the next
+    prompt); a turn's prompt goes to `TurnPrompts` (or nowhere, without one) once its answer is
+    journaled, and its record is read back from the journal when the output is written. What
+    stays per answered turn is its key and its prompt's place in the scratch file."""
 
     def __init__(self, path, fingerprint: str, seed_policy: str, stop_ids, tok_cfg, basedir,
-                 prompt_at_fault):  # fmt: skip
+                 prompt_at_fault, spill=None):  # fmt: skip
         meta = contracts.read_metadata(path)
-        self.rows = pq.read_table(path).to_pylist()
+        # Not memory-mapped: mapped pages of the file would count in the job's RSS.
+        table = pq.ParquetFile(path, memory_map=False).read()
+        self.prompt_ids = table.column("prompt_id").to_pylist()
+        self.prefix_exact = table.column("prefix_exact").to_pylist()
+        self.num_turns = table.column("num_turns").to_pylist()
+        self._table = table.drop_columns(["prompt_id", "prefix_exact", "num_turns"])
         self.fingerprint, self.seed_policy = fingerprint, seed_policy
         self.stop_ids = list(stop_ids)
         te = meta.get(contracts.META_THINK_END_ID)
@@ -74,14 +135,30 @@ class Conversations:
         self.tok_cfg, self.basedir = tok_cfg, basedir
         # The engine's rule for which journaled refusals are final (journal.Index.ask_again).
         self.prompt_at_fault = prompt_at_fault
+        self.spill: TurnPrompts | None = spill
         self._tokenizer = None
-        n = len(self.rows)
-        self.turns: list[list[dict]] = [[] for _ in range(n)]  # {"prompt", "key", "rec"}
+        n = len(self.prompt_ids)
+        # Per answered turn: its key and its prompt's place in `spill` (None without one).
+        self.turn_keys: list[list[str]] = [[] for _ in range(n)]
+        self.turn_places: list[list[tuple[int, int] | None]] = [[] for _ in range(n)]
         self.end: list[str | None] = [None] * n
-        self.prompt: list[list[int]] = [r["prompt_ids"] for r in self.rows]  # the next turn's
+        # The last turn's record of a conversation a refusal or an engine error ended.
+        self.failed: dict[int, dict] = {}
+        # The next turn's prompt of a conversation past its first turn (None: not held).
+        self.prompt: list[np.ndarray | None] = [None] * n
+        self.answers: dict[int, list[np.ndarray]] = {}  # not prefix-exact, still going
         self.waiting: dict[str, list[int]] = {}  # key -> conversations waiting for it
         self.items: dict[str, Item] = {}  # key -> the item of a turn not answered yet
         self.from_journal = 0
+        self.turns_ok = 0
+
+    def row(self, c: int) -> dict:
+        """Conversation c's tokenized row (prompt_ids, turn_segments, tool_call_ids, messages,
+        tools), read from the Arrow table."""
+        return self._table.slice(c, 1).to_pylist()[0]
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
 
     # -- prompts
     def tokenizer(self):
@@ -96,69 +173,90 @@ class Conversations:
         """Whether a conversation still going will need the tokenizer for its next prompt
         (one that is not prefix-exact re-renders the messages with the model's answers)."""
         return any(
-            not row["prefix_exact"] and end is None
-            for row, end in zip(self.rows, self.end, strict=True)
+            not exact and end is None
+            for exact, end in zip(self.prefix_exact, self.end, strict=True)
         )
 
-    def _next_prompt(self, c: int) -> list[int]:
-        row, done = self.rows[c], self.turns[c]
-        k = len(done) - 1
-        if row["prefix_exact"]:
-            return done[k]["prompt"] + list(done[k]["rec"]["output_ids"]) + row["turn_segments"][k]
-        tok = self.tokenizer()
+    def current_prompt(self, c: int) -> np.ndarray:
+        """The prompt of conversation c's next turn: a first prompt is read from the tokenized
+        shard each time (not held), a later one is held until its answer came."""
+        p = self.prompt[c]
+        if p is None:
+            col = self._table.column("prompt_ids")
+            p = np.asarray(col[c].values.to_numpy(zero_copy_only=False), dtype=np.int32)
+        return p
+
+    def _next_prompt(self, c: int, prompt: np.ndarray, out: list[int], k: int) -> np.ndarray:
+        if self.prefix_exact[c]:
+            seg = self._table.column("turn_segments")[c][k].as_py()
+            return np.concatenate([prompt, np.asarray(out + seg, dtype=np.int32)])
+        row, tok = self.row(c), self.tokenizer()
         answers = {}
-        for j, t in enumerate(done):
+        for j, ids in enumerate(self.answers[c]):
             tool = row["tool_call_ids"][j]
             # A tool-call turn continues only when the model's ids equal the dataset's: its
             # message (with tool_calls) renders to those ids, no parser needed.
             answers[j] = (
                 None
                 if tool is not None
-                else conv.model_message(tok, t["rec"]["output_ids"], self.stop_ids,
-                                        self.think_end_id)
-            )  # fmt: skip
+                else conv.model_message(tok, ids.tolist(), self.stop_ids, self.think_end_id)
+            )
         messages = conv.messages_with_answers(json.loads(row["messages"]), answers)
         kwargs = thaw(self.tok_cfg.chat_template_kwargs)
-        return conv.render(tok, messages, conv.load_json(row["tools"]), True, kwargs)
+        ids = conv.render(tok, messages, conv.load_json(row["tools"]), True, kwargs)
+        return np.asarray(ids, dtype=np.int32)
 
     def _item(self, c: int) -> Item:
-        prompt = self.prompt[c]
+        prompt = self.current_prompt(c)
         key = keys.sample_key(self.fingerprint, prompt)
         seed = keys.sampling_seed(key) if self.seed_policy == "per_sample" else None
-        return Item(self.rows[c]["prompt_id"], key, prompt, seed)
+        if self.prompt[c] is None:  # a first turn: read again when the request is built
+            return TurnItem(self.prompt_ids[c], key, lambda: self.current_prompt(c), seed)
+        return TurnItem(self.prompt_ids[c], key, prompt, seed)
 
     # -- progress
     def advance(self, c: int, key: str, rec: dict) -> None:
-        """Turn len(turns[c]) of conversation c was answered by `rec`: record it, then end the
-        conversation or set its next prompt."""
-        row = self.rows[c]
-        k = len(self.turns[c])
+        """Turn len(turn_keys[c]) of conversation c was answered by `rec` (journaled, or an
+        engine error): record its key and prompt, then end the conversation (releasing what it
+        held) or set its next prompt."""
+        k = len(self.turn_keys[c])
+        prompt = self.current_prompt(c)
+        self.turn_keys[c].append(key)
+        self.turn_places[c].append(self.spill.put(prompt) if self.spill is not None else None)
         if rec["status"] != OK:
-            self.end[c] = conv.END_REJECTED if rec["status"] == REJECTED else conv.END_ERROR
-            self.turns[c].append({"prompt": self.prompt[c], "key": key, "rec": rec})
+            self._end(c, conv.END_REJECTED if rec["status"] == REJECTED else conv.END_ERROR)
+            self.failed[c] = {"status": rec["status"], "message": rec.get("message"),
+                              "num_prompt_tokens": len(prompt)}  # fmt: skip
             return
-        self.turns[c].append({"prompt": self.prompt[c], "key": key, "rec": rec})
+        self.turns_ok += 1
         out = list(rec["output_ids"])
-        tool = row["tool_call_ids"][k]
+        tool = self._table.column("tool_call_ids")[c][k].as_py()
         if not out or out[-1] not in self.stop_ids:
-            self.end[c] = conv.END_TRUNCATED
-        elif k + 1 >= row["num_turns"]:
-            self.end[c] = conv.END_COMPLETE
+            self._end(c, conv.END_TRUNCATED)
+        elif k + 1 >= self.num_turns[c]:
+            self._end(c, conv.END_COMPLETE)
         elif tool is not None and out != list(tool):
-            self.end[c] = conv.END_TOOL_DIVERGED
+            self._end(c, conv.END_TOOL_DIVERGED)
         else:
-            nxt = self._next_prompt(c)
+            if not self.prefix_exact[c]:
+                self.answers.setdefault(c, []).append(np.asarray(out, dtype=np.int32))
+            nxt = self._next_prompt(c, prompt, out, k)
             if self.max_prompt_tokens and len(nxt) > self.max_prompt_tokens:
-                self.end[c] = conv.END_TOO_LONG
+                self._end(c, conv.END_TOO_LONG)
             else:
                 self.prompt[c] = nxt
+
+    def _end(self, c: int, why: str) -> None:
+        self.end[c] = why
+        self.prompt[c] = None
+        self.answers.pop(c, None)
 
     def replay(self, index: journal.Index, search_stale=None) -> None:
         """Walk the journal turn by turn (one fetch per turn depth); what is not journaled for
         good (a refusal that does not blame the prompt is asked again, as in a plain shard)
         becomes the pending items. `search_stale(index, keys)`: look for missing keys among the
         records the shard's compaction set aside."""
-        frontier = list(range(len(self.rows)))
+        frontier = list(range(len(self)))
         while frontier:
             items = {c: self._item(c) for c in frontier}
             ks = [it.key for it in items.values()]
@@ -171,14 +269,17 @@ class Conversations:
                     self._wait(c, items[c])
             if not have:
                 break
-            ks = list(dict.fromkeys(items[c].key for c in have))
-            recs = dict(zip(ks, journal.table_to_records(index.fetch(ks)), strict=True))
             frontier = []
-            for c in have:
-                self.from_journal += 1
-                self.advance(c, items[c].key, recs[items[c].key])
-                if self.end[c] is None:
-                    frontier.append(c)
+            for start in range(0, len(have), FETCH_ROWS):  # records decoded a batch at a time
+                part = have[start : start + FETCH_ROWS]
+                ks = list(dict.fromkeys(items[c].key for c in part))
+                recs = dict(zip(ks, journal.table_to_records(index.fetch(ks)), strict=True))
+                for c in part:
+                    self.from_journal += 1
+                    self.advance(c, items[c].key, recs[items[c].key])
+                    if self.end[c] is None:
+                        frontier.append(c)
+            del items
 
     def _wait(self, c: int, item: Item) -> Item | None:
         """Conversation c waits for item's answer; returns the item when it is new."""
@@ -220,65 +321,124 @@ class Conversations:
         return out
 
     # -- output
-    def keys(self) -> list[str]:
+    def order(self) -> list[int]:
+        """Conversations in output order (prompt_id)."""
+        return sorted(range(len(self)), key=self.prompt_ids.__getitem__)
+
+    def answered_keys(self) -> list[str]:
         """Every turn's key, output order (prompt_id, turn), each once."""
-        order = sorted(range(len(self.rows)), key=lambda i: self.rows[i]["prompt_id"])
-        return list(dict.fromkeys(t["key"] for c in order for t in self.turns[c]))
+        return list(dict.fromkeys(k for c in self.order() for k in self.turn_keys[c]))
+
+    def turns_left(self) -> int:
+        """Turns not answered yet of the conversations still going (at most: a conversation
+        can end early)."""
+        return sum(
+            n - len(ks)
+            for n, ks, end in zip(self.num_turns, self.turn_keys, self.end, strict=True)
+            if end is None
+        )
 
     def counts(self) -> dict:
         ends = collections.Counter(e or "unfinished" for e in self.end)
-        turns = sum(len(t) for t in self.turns)
-        ok_turns = sum(1 for ts in self.turns for t in ts if t["rec"]["status"] == OK)
-        exact = sum(1 for r in self.rows if r["prefix_exact"])
         return {
-            "conversations": len(self.rows),
-            "prefix_exact_conversations": exact,
-            "turns_total": sum(r["num_turns"] for r in self.rows),
-            "turns_answered": turns,
-            "turns_generated_ok": ok_turns,
+            "conversations": len(self),
+            "prefix_exact_conversations": sum(1 for e in self.prefix_exact if e),
+            "turns_total": sum(self.num_turns),
+            "turns_answered": sum(len(ks) for ks in self.turn_keys),
+            "turns_generated_ok": self.turns_ok,
             "turns_from_journal": self.from_journal,
             "conversation_ends": dict(sorted(ends.items())),
         }
 
+    def ok_turns(self, c: int) -> int:
+        """How many of conversation c's answered turns were answered (the rest: its last, when
+        a refusal or an engine error ended it)."""
+        return len(self.turn_keys[c]) - (1 if c in self.failed else 0)
+
     def write(self, job: Job, frame: OutputFrame) -> tuple[int, int]:
         """Generated turns and rejected conversations, prompt_id order, in job.args.out and
-        job.args.rejected. Returns (turn rows, rejected rows). Every conversation is counted
-        once: kept (one or more turn rows) or rejected (its first turn was refused)."""
-        gen_rows, rej_rows = [], []
+        job.args.rejected, streamed: the turns' records are read from the journal and their
+        prompts from the scratch file FETCH_ROWS turns at a time, and cut into row groups
+        (contracts.RowGroupBuffer, bounded in rows and in prompt tokens). Returns (turn rows,
+        rejected rows). Every conversation is counted once: kept (one or more turn rows) or
+        rejected (its first turn was refused)."""
+        index = job.index
+        gen_w = contracts.ParquetWriter(
+            job.args.out, contracts.GENERATED_TURNS, "generate", frame.metadata
+        )
+        rej_w = contracts.ParquetWriter(
+            job.args.rejected, contracts.REJECTED, "generate", frame.metadata
+        )
         kept = 0
-        for c in sorted(range(len(self.rows)), key=lambda i: self.rows[i]["prompt_id"]):
-            row, end = self.rows[c], self.end[c]
-            ok = [t for t in self.turns[c] if t["rec"]["status"] == OK]
-            if end is None:
-                raise RuntimeError(f"conversation {row['prompt_id']} did not finish")
-            if not ok:
-                last = self.turns[c][-1]
-                record = {"sample_key": last["key"], "turn": 0,
-                          "num_prompt_tokens": len(last["prompt"])}  # fmt: skip
-                reason = REASONS.get(last["rec"]["status"], REASONS[REJECTED])
-                detail = last["rec"].get("message")
-                rej_rows.append(rejected_row(job, reason, detail, row["prompt_id"], record))
-                continue
-            kept += 1
-            for k, t in enumerate(ok):
-                r = t["rec"]
-                gen_rows.append(
-                    {**{name: r.get(name) for name in contracts.GENERATED.names},
-                     "prompt_id": row["prompt_id"], "sample_key": t["key"], "turn": k,
-                     "turn_prompt_ids": t["prompt"], "prefix_exact": row["prefix_exact"],
-                     "conversation_end": end}
-                )  # fmt: skip
-        frame.check(kept, len(rej_rows))
-        schema = contracts.GENERATED_TURNS
-        contracts.write_table(
-            pa.Table.from_pylist(gen_rows, schema=schema), job.args.out, schema, "generate",
-            frame.metadata,
-        )  # fmt: skip
-        contracts.write_table(
-            contracts.rejected_table(rej_rows), job.args.rejected, contracts.REJECTED,
-            "generate", frame.metadata,
-        )  # fmt: skip
-        return len(gen_rows), len(rej_rows)
+        with gen_w, rej_w:
+            gen_buf = contracts.RowGroupBuffer(gen_w.write, "turn_prompt_ids")
+            rej_buf = contracts.RowGroupBuffer(rej_w.write, None)
+            batch: list[tuple[int, int]] = []  # (conversation, turn)
+            rejected: list[dict] = []
+
+            def flush():
+                if batch:
+                    gen_buf.add(self._turn_rows(index, batch))
+                    batch.clear()
+                if rejected:
+                    rej_buf.add(contracts.rejected_table(rejected))
+                    rejected.clear()
+
+            for c in self.order():
+                if self.end[c] is None:
+                    raise RuntimeError(f"conversation {self.prompt_ids[c]} did not finish")
+                n_ok = self.ok_turns(c)
+                if not n_ok:
+                    last = self.failed[c]
+                    record = {"sample_key": self.turn_keys[c][-1], "turn": 0,
+                              "num_prompt_tokens": last["num_prompt_tokens"]}  # fmt: skip
+                    reason = REASONS.get(last["status"], REASONS[REJECTED])
+                    rejected.append(
+                        rejected_row(job, reason, last["message"], self.prompt_ids[c], record)
+                    )
+                    if len(rejected) >= FETCH_ROWS:
+                        flush()
+                    continue
+                kept += 1
+                for k in range(n_ok):
+                    batch.append((c, k))
+                    if len(batch) >= FETCH_ROWS:
+                        flush()
+            flush()
+            gen_buf.finish()
+            rej_buf.finish()
+            # An empty file still has its schema (what write_table of no rows gives).
+            if gen_w.rows == 0:
+                gen_w.write(contracts.GENERATED_TURNS.empty_table())
+            if rej_w.rows == 0:
+                rej_w.write(contracts.REJECTED.empty_table())
+            frame.check(kept, rej_w.rows)
+        return gen_w.rows, rej_w.rows
+
+    def _turn_rows(self, index: journal.Index, batch: list[tuple[int, int]]) -> pa.Table:
+        """GENERATED_TURNS rows of (conversation, turn) pairs: the record from the journal,
+        the prompt from the scratch file."""
+        ks = [self.turn_keys[c][k] for c, k in batch]
+        uniq = list(dict.fromkeys(ks))
+        table = index.fetch(uniq)
+        if len(uniq) != len(ks):
+            pos = {key: j for j, key in enumerate(uniq)}
+            table = table.take(pa.array([pos[key] for key in ks], pa.int64()))
+        prompts = [self.spill.get(self.turn_places[c][k]) for c, k in batch]
+        offsets = np.zeros(len(prompts) + 1, np.int32)
+        np.cumsum([len(p) for p in prompts], out=offsets[1:])
+        values = np.concatenate(prompts) if prompts else np.zeros(0, np.int32)
+        cols = {name: table.column(name) for name in contracts.GENERATED.names
+                if name not in ("prompt_id", "sample_key")}  # fmt: skip
+        cols["prompt_id"] = pa.array([self.prompt_ids[c] for c, _ in batch], pa.string())
+        cols["sample_key"] = pa.array(ks, pa.string())
+        cols["turn"] = pa.array([k for _, k in batch], pa.int32())
+        cols["turn_prompt_ids"] = pa.ListArray.from_arrays(
+            pa.array(offsets), pa.array(values, pa.int32())
+        )
+        cols["prefix_exact"] = pa.array([self.prefix_exact[c] for c, _ in batch], pa.bool_())
+        cols["conversation_end"] = pa.array([self.end[c] for c, _ in batch], pa.string())
+        return pa.table({name: cols[name] for name in contracts.GENERATED_TURNS.names})
 
 
 async def run(
@@ -290,11 +450,13 @@ async def run(
     # the turn before it was answered.
     job = open_job(args, gen, tok_cfg, meta, t0, lambda shard, pre_rejected: None)
     index, sj = job.index, job.sj
+    spill = None
     try:
         stop_ids, _ = resolve_stop_ids(gen, tok_cfg, args.basedir, job.shard.metadata)
+        spill = TurnPrompts(Path(args.out).parent)
         convs = Conversations(
             args.tokenized, job.fingerprint, gen.seed_policy, stop_ids, tok_cfg,
-            args.basedir, job.api.prompt_at_fault,
+            args.basedir, job.api.prompt_at_fault, spill,
         )  # fmt: skip
         convs.replay(index, sj.search_stale)
         missing = convs.pending()
@@ -306,7 +468,7 @@ async def run(
             job.clock["tokenizer_s"] = time.monotonic() - t_tok
         job.clock["replayed"] = time.monotonic()
         job.counts.update(
-            conversations=len(convs.rows), from_journal=convs.from_journal,
+            conversations=len(convs), from_journal=convs.from_journal,
             to_generate_now=len(missing),
         )  # fmt: skip
         meta.update(
@@ -317,13 +479,14 @@ async def run(
             await generate(
                 job, missing, frontier=convs.pending, follow=lambda rec: convs.follow(rec, index)
             )
+        del missing
         t_write = time.monotonic()
         context = {contracts.META_CONTEXT: contracts.CONTEXT_REGENERATED}
-        frame = OutputFrame(job, len(convs.rows), context, counts=False)
+        frame = OutputFrame(job, len(convs), context, counts=False)
         turns, rejected = convs.write(job, frame)
         index.close()  # compaction deletes the JSONL files it read
         meta["journal"]["compaction"] = compact(
-            sj, convs.keys(), args.category, job.shard.num_shards
+            sj, convs.answered_keys(), args.category, job.shard.num_shards
         )
         job.counts.update(convs.counts(), kept_turns=turns, rejected=rejected)
         job.counts.setdefault("requested", 0)
@@ -332,6 +495,8 @@ async def run(
                  json.dumps(job.counts, sort_keys=True))  # fmt: skip
     finally:
         index.close()
+        if spill is not None:
+            spill.close()
     return 0
 
 

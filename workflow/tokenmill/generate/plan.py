@@ -121,18 +121,14 @@ class CategoryPlan:
         self.records, _ = journal.load(self.journal_dir, self.category, self.wanted)
         self.pending: dict[str, list] = {}  # conversation shard -> the next turns to send
         for name, path in self.conversation_shards.items():
-            convs = self._replay(name, path)
+            convs, records = self._replay(name, path)
             self.pending[name] = convs.pending()
-            self.turns_left[name] = sum(
-                row["num_turns"] - len(turns)
-                for row, turns, end in zip(convs.rows, convs.turns, convs.end, strict=True)
-                if end is None
-            )
-            for turns in convs.turns:
-                self.records.update((t["key"], t["rec"]) for t in turns)
+            self.turns_left[name] = convs.turns_left()
+            self.records.update(records)
 
     def _replay(self, name: str, path: Path):
-        """The shard's conversations, replayed from the journal exactly as generate does."""
+        """The shard's conversations, replayed from the journal exactly as generate does, and
+        the journaled records of their answered turns (by key)."""
         from tokenmill.generate import engines
 
         gen, tok_cfg = self.settings.generation, self.settings.tokenizer
@@ -145,9 +141,14 @@ class CategoryPlan:
         index = sj.open(None)
         try:
             convs.replay(index, sj.search_stale)
+            answered = [k for k in convs.answered_keys() if index.has(k)]
+            records = {}
+            for start in range(0, len(answered), job.FETCH_ROWS):
+                ks = answered[start : start + job.FETCH_ROWS]
+                records.update(zip(ks, journal.table_to_records(index.fetch(ks)), strict=True))
         finally:
             index.close()
-        return convs
+        return convs, records
 
     @property
     def tokenized(self) -> int:
