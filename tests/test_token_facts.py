@@ -151,3 +151,45 @@ def test_merge_from_facts_imports_neither_torch_nor_transformers(tmp_path):
         env={"PYTHONPATH": str(ROOT / "workflow"), "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert json.loads(out.stdout.splitlines()[-1]) == [0, []]
+
+
+def test_draft_vocab_and_stats_from_facts_write_what_they_wrote_from_the_tokenizer(tmp_path):
+    """draft-vocab from-config (the forced stop ids) and stats give the same files from
+    --token-facts as from --tokenizer-config. (This small tree has no output without a
+    think-close, so stats never asks for the think ids here: ThinkTokens.of below does.)"""
+    pytest.importorskip("torch")  # vocab_mapping.pt
+    from test_stats import CONFIG, build_results
+
+    from tokenmill.dataset import draft_vocab
+
+    results = build_results(tmp_path)
+    build_tokenizer(tmp_path / "tok")
+    (tmp_path / "tok" / "config.json").write_text(json.dumps({"vocab_size": 32}))
+    ds = dict(CONFIG["dataset"], draft_vocab_force_stop_ids=True)
+    gen = dict(GEN_CFG, model="tok")
+    facts = tmp_path / "facts.json"
+    write_facts(facts, ds, gen, CONFIG["tokenizer"], tmp_path)
+    common = ["--dataset-config", json.dumps(ds), "--generation-config", json.dumps(gen)]
+    common += ["--basedir", str(tmp_path), "--counts", str(results / "token_counts")]
+    ways = {
+        "tokenizer": ["--tokenizer-config", json.dumps(CONFIG["tokenizer"])],
+        "facts": ["--token-facts", str(facts)],
+    }
+    files = {}
+    for way, args in ways.items():
+        out = tmp_path / way
+        assert draft_vocab.main(["from-config", *common, *args, "--out-dir", str(out)]) == 0
+        config = json.dumps(dict(CONFIG, dataset=ds, generation=gen))
+        argv = ["--results-dir", str(results), "--config-json", config, "--basedir", str(tmp_path)]
+        if way == "facts":
+            argv += ["--token-facts", str(facts)]
+        assert stats.main([*argv, "--out-dir", str(out / "stats")]) == 0
+        files[way] = {
+            p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()
+        }
+    assert "t2d-3.npy" in files["facts"] and "stats/summary.json" in files["facts"]
+    assert files["facts"] == files["tokenizer"]
+    summary = json.loads((tmp_path / "facts" / "vocab_mapping.json").read_text())
+    assert summary["always_include_ids"] == [1, 2]  # eos, <|im_end|>
+    unloadable = dict(CONFIG, dataset=ds, generation=gen, tokenizer={"path": "nowhere"})
+    assert stats.ThinkTokens.of(unloadable, str(tmp_path), str(facts)).get() == (3, 4)
