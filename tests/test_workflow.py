@@ -450,8 +450,10 @@ def test_token_keys_rerun_generation_only(finished_run, tmp_path, key, value):
     assert per_rule.pop("generate_shard") == shards, planned
     assert per_rule.pop("merge_shard") == shards, planned
     assert per_rule.pop("export_jsonl") == shards, planned
-    # Stop tokens given as strings are resolved to ids by tokenize (into the shards' metadata).
-    upstream = {"tokenize_prompts"} if key == "generation.stop_tokens" else set()
+    # Stop tokens given as strings are resolved to ids by tokenize (into the shards' metadata)
+    # and by token_facts (the stop ids merge checks).
+    stops = key == "generation.stop_tokens"
+    upstream = {"tokenize_prompts", "token_facts"} if stops else set()
     downstream = {"summarize_stats", "write_dataset_card", "write_provenance", "all"}
     # the loss-token sums and the draft vocabulary follow the merged shards
     downstream |= {"sum_token_counts", "sum_all_token_counts", "draft_vocab"}

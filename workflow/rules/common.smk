@@ -128,6 +128,12 @@ def stop_tokens_json(wildcards=None):
     return json.dumps(SETTINGS.generation.raw["stop_tokens"])
 
 
+def think_tokens_json(wildcards=None):
+    """The dataset's think tokens (the token facts' think ids come from them)."""
+    ds = SETTINGS.dataset
+    return json.dumps([ds.think_end_token, ds.think_start_token])
+
+
 def think_end_token(wildcards):
     """dataset.think_end_token for a context: regenerated category (it splits the model's
     answers into reasoning and answer there); empty for others, which do not depend on it.

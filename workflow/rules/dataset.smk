@@ -1,8 +1,30 @@
+# The tokenizer's facts that merge, stats and draft_vocab need (vocabulary size, stop ids,
+# think ids), resolved once per run where the tokenizer is loaded: their jobs load none.
+rule token_facts:
+    output:
+        facts=res("tokenizer/token_facts.json"),
+    log:
+        res("logs/token_facts.log"),
+    conda:
+        "../envs/tokenize.yaml"
+    # What the facts depend on; the sections themselves come from the environment (common.smk).
+    params:
+        tokenizer=tokenizer_json,
+        tokenizer_fingerprint=TOKENIZER_FINGERPRINT,
+        stop_tokens=stop_tokens_json,
+        think_tokens=think_tokens_json,
+    shell:
+        'tokenmill token-facts --dataset-config "$TOKENMILL_CONFIG_JSON"'
+        ' --generation-config "$TOKENMILL_GENERATION_JSON"'
+        " --tokenizer-config {params.tokenizer:q} --out {output.facts:q} > {log:q} 2>&1"
+
+
 rule merge_shard:
     input:
         tokenized=tokenized_shard,
         generated=res("generated/{category}/{shard}.parquet"),
         generate_rejected=res("rejected/generate/{category}/{shard}.parquet"),
+        token_facts=res("tokenizer/token_facts.json"),
     output:
         dataset=res("dataset/{category}/{shard}.parquet"),
         rejected=res("rejected/merge/{category}/{shard}.parquet"),
@@ -19,7 +41,6 @@ rule merge_shard:
     params:
         dataset=merge_dataset_json,
         generation_fingerprint=GENERATION_FINGERPRINT,
-        tokenizer=tokenizer_json,
     shell:
         "tokenmill merge --category {wildcards.category:q} --shard {wildcards.shard}"
         " --tokenized {input.tokenized:q} --generated {input.generated:q}"
@@ -27,7 +48,7 @@ rule merge_shard:
         " --out {output.dataset:q} --rejected {output.rejected:q}"
         " --counts-out {output.counts:q}"
         ' --dataset-config {params.dataset:q} --generation-config "$TOKENMILL_GENERATION_JSON"'
-        " --tokenizer-config {params.tokenizer:q} > {log:q} 2>&1"
+        " --token-facts {input.token_facts:q} > {log:q} 2>&1"
 
 
 rule export_jsonl:
@@ -76,6 +97,7 @@ rule sum_all_token_counts:
 rule draft_vocab:
     input:
         counts=category_counts_sums(),
+        token_facts=res("tokenizer/token_facts.json"),
     output:
         summary=res("dataset/vocab_mapping/vocab_mapping.json"),
         files=draft_vocab_files(),
@@ -88,11 +110,10 @@ rule draft_vocab:
     params:
         dataset=dataset_json,
         generation_fingerprint=GENERATION_FINGERPRINT,
-        tokenizer=tokenizer_json,
     shell:
         "tokenmill draft-vocab from-config --counts {input.counts:q}"
         ' --dataset-config {params.dataset:q} --generation-config "$TOKENMILL_GENERATION_JSON"'
-        " --tokenizer-config {params.tokenizer:q} --out-dir $(dirname {output.summary:q})"
+        " --token-facts {input.token_facts:q} --out-dir $(dirname {output.summary:q})"
         " > {log:q} 2>&1"
 
 
@@ -104,6 +125,7 @@ rule summarize_stats:
         token_counts=category_counts_sums() + [res("token_counts/_all.parquet")],
         # the draft row of the coverage table is the written mapping's coverage
         vocab_mapping=draft_vocab_summary(),
+        token_facts=res("tokenizer/token_facts.json"),
     output:
         summary=report(
             res("stats/summary.json"),
@@ -136,7 +158,8 @@ rule summarize_stats:
         results=results_dir,
     shell:
         'tokenmill stats --results-dir {params.results:q} --config-json "$TOKENMILL_CONFIG_JSON"'
-        " --out-dir $(dirname {output.summary:q}) > {log:q} 2>&1"
+        " --token-facts {input.token_facts:q} --out-dir $(dirname {output.summary:q})"
+        " > {log:q} 2>&1"
 
 
 rule write_dataset_card:
@@ -197,6 +220,7 @@ rule compare_with_manifest:
 
 
 localrules:
+    token_facts,
     sum_token_counts,
     sum_all_token_counts,
     draft_vocab,

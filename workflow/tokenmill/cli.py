@@ -19,6 +19,10 @@ COMMANDS = {
         "tokenmill.testing.reference_api",
         "CPU engine speaking SGLang's native API",
     ),
+    "token-facts": (
+        "tokenmill.dataset.validate",
+        "tokenizer -> the token facts merge, stats and draft-vocab read",
+    ),
     "merge": ("tokenmill.dataset.merge", "tokenized + generated shard -> validated training shard"),
     "export-jsonl": ("tokenmill.dataset.export", "dataset shard -> JSONL of input_ids/loss_mask"),
     "hidden-states": (

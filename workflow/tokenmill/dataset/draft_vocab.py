@@ -705,12 +705,12 @@ def _from_config_main(argv: list[str]) -> int:
         return 2
     forced: list[int] = []
     if ds.draft_vocab_force_stop_ids:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from tokenmill.tokenization.tokenizer import load_tokenizer
-
         # The configured stop tokens as the tokenizer resolves them, plus its eos: merge's.
-        rules = validate.rules_from_config(ds, gen, load_tokenizer(tok, args.basedir))
-        forced = sorted(set(rules.stop_ids))
+        try:
+            forced = sorted(set(validate.facts_of_arguments(args, ds, gen, tok).stop_ids))
+        except ValueError as exc:
+            print(f"tokenmill draft-vocab: {exc}", file=sys.stderr)
+            return 1
     target = ds.draft_vocab_target_size
     if target is None:
         try:

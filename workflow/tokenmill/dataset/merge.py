@@ -767,14 +767,15 @@ def main(argv: list[str]) -> int:
     )
     validate.add_config_arguments(parser)
     args = parser.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from tokenmill.tokenization.tokenizer import load_tokenizer
-
     sections = validate.load_config_arguments(args, "tokenmill merge")
     if sections is None:
         return 1
     ds, gen, tok = sections
-    rules = validate.rules_from_config(ds, gen, load_tokenizer(tok, args.basedir))
+    try:
+        rules = validate.rules_from_facts(ds, validate.facts_of_arguments(args, ds, gen, tok))
+    except ValueError as exc:
+        print(f"tokenmill merge: {exc}", file=sys.stderr)
+        return 1
     try:
         res = merge_shard(
             args.tokenized,

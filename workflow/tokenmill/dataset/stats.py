@@ -272,23 +272,25 @@ def _generation_time(meta: dict) -> float:
 
 @dataclass
 class ThinkTokens:
-    """The think-open and think-close token ids, resolved with the tokenizer on first use
-    (only outputs without a think-close need them) by validate.think_ids, the rule merge
-    uses; `ids` may be given (tests). `dataset`, `tokenizer`: settings or section dicts."""
+    """The think-open and think-close token ids (validate.think_ids, the rule merge uses),
+    resolved on first use (only outputs without a think-close need them): read from the token
+    facts file `facts` (the token_facts rule's; `--token-facts`), else by loading the
+    tokenizer; `ids` may be given (tests). `dataset`, `tokenizer`: settings or section dicts."""
 
     dataset: DatasetSettings
     tokenizer: TokenizerSettings
     basedir: str = "."
     ids: tuple[int | None, int | None] | None = None
+    facts: str | None = None
 
     def __post_init__(self):
         self.dataset = as_section(self.dataset, "dataset")
         self.tokenizer = as_section(self.tokenizer, "tokenizer")
 
     @classmethod
-    def of(cls, config: Settings | dict, basedir: str = ".") -> ThinkTokens:
+    def of(cls, config: Settings | dict, basedir: str = ".", facts: str | None = None):
         config = as_settings(config)
-        return cls(config.dataset, config.tokenizer, basedir)
+        return cls(config.dataset, config.tokenizer, basedir, facts=facts)
 
     @property
     def end_token(self) -> str | None:
@@ -299,7 +301,10 @@ class ThinkTokens:
         return validate.think_start_token(self.end_token, self.dataset.think_start_token)
 
     def get(self) -> tuple[int | None, int | None]:
-        if self.ids is None:
+        if self.ids is None and self.facts:
+            facts = validate.read_token_facts(self.facts, self.dataset)
+            self.ids = (facts.think_start_id, facts.think_end_id)
+        elif self.ids is None:
             from tokenmill.tokenization.tokenizer import load_tokenizer
 
             tok = load_tokenizer(self.tokenizer, self.basedir)
@@ -917,6 +922,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config-json", required=True, help="resolved config (file or JSON)")
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--basedir", default=".", help="a local tokenizer path is relative to it")
+    parser.add_argument(
+        "--token-facts",
+        help="results/tokenizer/token_facts.json (the think ids); without it the tokenizer loads",
+    )
     args = parser.parse_args(argv)
     try:
         config = load_section(args.config_json, None)
@@ -924,7 +933,8 @@ def main(argv: list[str]) -> int:
         print(f"tokenmill stats: {exc}", file=sys.stderr)
         return 1
     # the validated dict (defaults filled); GPU-hours come from the generate metas, not it
-    summary, raws = collect(args.results_dir, config.raw, ThinkTokens.of(config, args.basedir))
+    think = ThinkTokens.of(config, args.basedir, args.token_facts)
+    summary, raws = collect(args.results_dir, config.raw, think)
     # A category that kept nothing across all its shards (each shard's merge judges only
     # itself, and a shard of one prompt is too small to judge) fails here, before any file.
     empty = kept_nothing(summary, guards.limit_for("merge"))

@@ -23,8 +23,11 @@ one stable reason code:
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -96,9 +99,36 @@ def think_ids(tokenizer, think_end_token, configured_start: str | None = None):
     return start_id, end_id
 
 
-def rules_from_config(dataset, generation, tokenizer) -> Rules:
-    """Rules for the `dataset:` settings, the generation stop tokens and the loaded tokenizer
-    (`dataset`, `generation`: settings objects, or the sections as dicts, validated here)."""
+@dataclass(frozen=True)
+class TokenFacts:
+    """What merge, stats and draft_vocab need of the tokenizer, resolved once per run by the
+    `token_facts` rule (`tokenmill token-facts`, results/tokenizer/token_facts.json) so that
+    their jobs load no tokenizer: the vocabulary size (len(tokenizer)), the stop ids
+    (generation.stop_tokens resolved, then the eos id) and the think-open/think-close ids
+    (think_ids). `resolved_from` holds the config values they were resolved from
+    (stop_tokens, think_end_token, think_start_token): a reader checks it against its own."""
+
+    vocab_size: int
+    stop_ids: tuple[int, ...]
+    think_start_id: int | None
+    think_end_id: int | None
+    resolved_from: dict
+
+
+def facts_source(dataset, generation) -> dict:
+    """The config values the token facts depend on (besides the tokenizer itself)."""
+    ds = as_section(dataset, "dataset")
+    gen = as_section(generation, "generation")
+    return {
+        "stop_tokens": list(gen.stop_tokens),
+        "think_end_token": ds.think_end_token,
+        "think_start_token": ds.think_start_token,
+    }
+
+
+def token_facts(dataset, generation, tokenizer) -> TokenFacts:
+    """The token facts of the loaded tokenizer for the `dataset:` and `generation:` settings
+    (settings objects or section dicts)."""
     from tokenmill.tokenization.tokenizer import resolve_token_ids
 
     ds = as_section(dataset, "dataset")
@@ -107,15 +137,83 @@ def rules_from_config(dataset, generation, tokenizer) -> Rules:
     if tokenizer.eos_token_id is not None:
         stop.append(int(tokenizer.eos_token_id))
     start_id, think_id = think_ids(tokenizer, ds.think_end_token, ds.think_start_token)
-    return Rules(
+    return TokenFacts(
         vocab_size=len(tokenizer),
-        stop_ids=tuple(stop),
-        think_end_id=think_id,
+        stop_ids=tuple(int(i) for i in stop),
         think_start_id=start_id,
+        think_end_id=think_id,
+        resolved_from=facts_source(ds, gen),
+    )
+
+
+# The token facts file (results/tokenizer/token_facts.json): these keys, and
+# tokenizer_fingerprint (tokenizer.tokenizer_fingerprint of the tokenizer they came from).
+FACTS_KEYS = ("vocab_size", "stop_ids", "think_start_id", "think_end_id", "resolved_from")
+
+
+def facts_dict(facts: TokenFacts) -> dict:
+    return {k: getattr(facts, k) for k in FACTS_KEYS} | {"stop_ids": list(facts.stop_ids)}
+
+
+def write_token_facts(path, facts: TokenFacts, tokenizer_fingerprint: str) -> None:
+    """Write the facts file atomically (indented, sorted keys: the same facts, the same bytes)."""
+    from tokenmill import contracts
+
+    obj = facts_dict(facts) | {"tokenizer_fingerprint": tokenizer_fingerprint}
+    tmp = contracts.atomic_path(path)
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", "utf-8")
+    os.replace(tmp, path)
+
+
+def read_token_facts(path, dataset=None, generation=None) -> TokenFacts:
+    """The facts file's TokenFacts. With `dataset` / `generation` (settings or section dicts),
+    the think tokens / stop tokens it was resolved from must be theirs (ValueError otherwise:
+    the file belongs to another config)."""
+    obj = json.loads(Path(path).read_text("utf-8"))
+    missing = [k for k in FACTS_KEYS if k not in obj]
+    if missing:
+        raise ValueError(f"token facts {path}: missing {', '.join(missing)}")
+    facts = TokenFacts(
+        vocab_size=int(obj["vocab_size"]),
+        stop_ids=tuple(int(i) for i in obj["stop_ids"]),
+        think_start_id=obj["think_start_id"],
+        think_end_id=obj["think_end_id"],
+        resolved_from=dict(obj["resolved_from"]),
+    )
+    want = {}
+    if dataset is not None:
+        ds = as_section(dataset, "dataset")
+        want |= {"think_end_token": ds.think_end_token, "think_start_token": ds.think_start_token}
+    if generation is not None:
+        want["stop_tokens"] = list(as_section(generation, "generation").stop_tokens)
+    differ = {k: v for k, v in want.items() if facts.resolved_from.get(k) != v}
+    if differ:
+        have = {k: facts.resolved_from.get(k) for k in differ}
+        raise ValueError(
+            f"token facts {path} were resolved for {have}, the config has {differ} "
+            "(rerun `tokenmill token-facts`)"
+        )
+    return facts
+
+
+def rules_from_facts(dataset, facts: TokenFacts) -> Rules:
+    """Rules for the `dataset:` settings (or section dict) and the tokenizer's facts."""
+    ds = as_section(dataset, "dataset")
+    return Rules(
+        vocab_size=facts.vocab_size,
+        stop_ids=facts.stop_ids,
+        think_end_id=facts.think_end_id,
+        think_start_id=facts.think_start_id,
         max_sequence_tokens=ds.max_sequence_tokens,
         reject_truncated=ds.reject_truncated,
         require_think_end=ds.require_think_end,
     )
+
+
+def rules_from_config(dataset, generation, tokenizer) -> Rules:
+    """Rules for the `dataset:` settings, the generation stop tokens and the loaded tokenizer
+    (`dataset`, `generation`: settings objects, or the sections as dicts, validated here)."""
+    return rules_from_facts(dataset, token_facts(dataset, generation, tokenizer))
 
 
 def row_of_values(offsets: np.ndarray) -> np.ndarray:
@@ -279,21 +377,75 @@ def describe(reason: str, **ctx) -> str:
 
 
 def add_config_arguments(parser) -> None:
-    """--dataset-config, --generation-config, --tokenizer-config (inline JSON or a file, the
-    section or the whole config) and --basedir (a local tokenizer path is relative to it)."""
-    for section in ("dataset", "generation", "tokenizer"):
+    """--dataset-config, --generation-config (inline JSON or a file, the section or the whole
+    config), the tokenizer's facts: --token-facts (the token_facts rule's file, what the rules
+    give) or --tokenizer-config (the tokenizer is loaded in the job: one started by hand), and
+    --basedir (a local tokenizer path is relative to it)."""
+    for section in ("dataset", "generation"):
         parser.add_argument(f"--{section}-config", required=True, help="JSON object or JSON file")
+    facts = parser.add_mutually_exclusive_group(required=True)
+    facts.add_argument("--token-facts", help="results/tokenizer/token_facts.json")
+    facts.add_argument("--tokenizer-config", help="JSON object or JSON file: load the tokenizer")
     parser.add_argument("--basedir", default=".")
 
 
 def load_config_arguments(args, prog: str):
-    """(dataset, generation, tokenizer) settings of add_config_arguments' arguments, or None
-    after printing the ConfigError (it names the key) to stderr."""
+    """(dataset, generation, tokenizer or None) settings of add_config_arguments' arguments, or
+    None after printing the ConfigError (it names the key) to stderr."""
     try:
         return tuple(
-            load_section(getattr(args, f"{section}_config"), section)
-            for section in ("dataset", "generation", "tokenizer")
+            load_section(value, section) if value is not None else None
+            for section, value in (
+                ("dataset", args.dataset_config),
+                ("generation", args.generation_config),
+                ("tokenizer", args.tokenizer_config),
+            )
         )
     except ConfigError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return None
+
+
+def facts_of_arguments(args, dataset, generation, tokenizer) -> TokenFacts:
+    """The token facts of add_config_arguments' arguments: read from --token-facts (checked
+    against the dataset and generation settings), or resolved by loading the tokenizer of
+    --tokenizer-config. Either way, the same TokenFacts."""
+    if args.token_facts:
+        return read_token_facts(args.token_facts, dataset, generation)
+    from tokenmill.tokenization.tokenizer import load_tokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return token_facts(dataset, generation, load_tokenizer(tokenizer, args.basedir))
+
+
+def main(argv: list[str]) -> int:
+    """`tokenmill token-facts`: load the tokenizer once and write the facts merge, stats and
+    draft-vocab read (the `token_facts` rule)."""
+    import argparse
+
+    from tokenmill.tokenization.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+    parser = argparse.ArgumentParser(
+        prog="tokenmill token-facts",
+        description="tokenizer -> the vocabulary size, stop ids and think ids of the config",
+    )
+    for section in ("dataset", "generation", "tokenizer"):
+        parser.add_argument(f"--{section}-config", required=True, help="JSON object or JSON file")
+    parser.add_argument("--basedir", default=".", help="a local tokenizer path is relative to it")
+    parser.add_argument("--out", required=True, help="results/tokenizer/token_facts.json")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sections = load_config_arguments(args, "tokenmill token-facts")
+    if sections is None:
+        return 1
+    ds, gen, tok_cfg = sections
+    tok = load_tokenizer(tok_cfg, args.basedir)
+    try:
+        facts = token_facts(ds, gen, tok)
+    except ValueError as exc:  # a stop or think token that is not one token
+        print(f"tokenmill token-facts: {exc}", file=sys.stderr)
+        return 1
+    fingerprint, _ = tokenizer_fingerprint(tok_cfg, args.basedir, tok)
+    write_token_facts(args.out, facts, fingerprint)
+    print(f"token facts: {json.dumps(facts_dict(facts), sort_keys=True)}", file=sys.stderr)
+    return 0
