@@ -381,6 +381,12 @@ class ParquetWriter:
             start = end
         self.rows += data.num_rows
 
+    def write_schema_if_empty(self) -> None:
+        """Nothing written yet: write one empty row group, so an empty output is still a file
+        with its schema (what write_table of no rows gives)."""
+        if self.rows == 0:
+            self.write(self.schema.empty_table())
+
     def add_metadata(self, metadata: Mapping[str, object]) -> None:
         """Key-value metadata known only after the last batch (counts); written at close."""
         self._writer.add_key_value_metadata({k: str(v) for k, v in metadata.items()})

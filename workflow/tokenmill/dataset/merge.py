@@ -706,8 +706,7 @@ def merge_conversation_shard(
             if table is not None:
                 buffer.add(table)
         buffer.finish()
-        if writer.rows == 0:  # an empty shard is still a file with its schema
-            writer.write(contracts.DATASET.empty_table())
+        writer.write_schema_if_empty()
         if writer.rows != kept_rows:
             raise ConservationError(f"{what}: {writer.rows} rows written, {kept_rows} expected")
     rejects.write(rejected, meta)

@@ -405,13 +405,9 @@ class Conversations:
                     if len(batch) >= FETCH_ROWS:
                         flush()
             flush()
-            gen_buf.finish()
-            rej_buf.finish()
-            # An empty file still has its schema (what write_table of no rows gives).
-            if gen_w.rows == 0:
-                gen_w.write(contracts.GENERATED_TURNS.empty_table())
-            if rej_w.rows == 0:
-                rej_w.write(contracts.REJECTED.empty_table())
+            for buf, writer in ((gen_buf, gen_w), (rej_buf, rej_w)):
+                buf.finish()
+                writer.write_schema_if_empty()
             frame.check(kept, rej_w.rows)
         return gen_w.rows, rej_w.rows
 

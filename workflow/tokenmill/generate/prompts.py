@@ -213,11 +213,7 @@ def write_outputs(job: Job, gen_w, rej_w, compaction) -> int:
             fresh = [j for j, k in enumerate(ks) if k not in compacted]
             compacted.update(ks)
             compaction.add(table if len(fresh) == len(ks) else table.take(pa.array(fresh)))
-    gen_buf.finish()
-    rej_buf.finish()
-    # An empty shard is still a file with its schema (what write_table of no rows gives).
-    if gen_w.rows == 0:
-        gen_w.write(contracts.GENERATED.empty_table())
-    if rej_w.rows == 0:
-        rej_w.write(contracts.REJECTED.empty_table())
+    for buf, writer in ((gen_buf, gen_w), (rej_buf, rej_w)):
+        buf.finish()
+        writer.write_schema_if_empty()
     return out_tokens

@@ -363,8 +363,7 @@ def prepare_files(
         with ParquetWriter(out, PROMPTS, STAGE, meta) as writer:
             for k in range(len(buckets.buffers)):
                 writer.write(buckets.table(k))
-            if not writer.rows:
-                writer.write(PROMPTS.empty_table())
+            writer.write_schema_if_empty()
     finally:
         shutil.rmtree(spill_dir, ignore_errors=True)
     return counts

@@ -583,8 +583,7 @@ def tokenize_category(
             with writer:
                 for batch in spill.row_groups():
                     writer.write(batch)
-                if writer.rows == 0:
-                    writer.write(contracts.TOKENIZED.empty_table())
+                writer.write_schema_if_empty()
     finally:
         shutil.rmtree(spill_dir, ignore_errors=True)
     summary.seconds = time.monotonic() - start
