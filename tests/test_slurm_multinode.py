@@ -645,6 +645,9 @@ def test_preempted_generate_job_resumes_and_the_controller_finishes(preempted_ru
 
 
 PREEMPTIONS = 5
+# Twice PREEMPT_DELAY_S: a 40-prompt shard takes ~160 s of work, more than five rounds of
+# preempt, requeue and restart leave it (with 4 s, an unloaded CI run finished after four).
+PREEMPT5_DELAY_S = 2 * PREEMPT_DELAY_S
 
 
 def test_a_job_preempted_five_times_under_cancel_completes_exactly_once(
@@ -660,7 +663,7 @@ def test_a_job_preempted_five_times_under_cancel_completes_exactly_once(
         concurrency=2,
         resources={"gpus": 1, "cpus": 1, "mem_mb": 1000, "runtime_min": 10},
         launch={"env": {"TOKENMILL_PROBE_LOG": ts.PROBE_LOG,
-                        "TOKENMILL_PROBE_DELAY_S": str(PREEMPT_DELAY_S)}},
+                        "TOKENMILL_PROBE_DELAY_S": str(PREEMPT5_DELAY_S)}},
     )  # fmt: skip
     target = "results/generated/chat/000.parquet"
     workdir = workflow_from(tokenized_workflow, tmp_path / "wf")
