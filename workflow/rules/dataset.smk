@@ -6,7 +6,7 @@ rule token_facts:
     log:
         res("logs/token_facts.log"),
     conda:
-        "../envs/tokenize.yaml"
+        "../envs/dataset.yaml"
     # What the facts depend on; the sections themselves come from the environment (common.smk).
     params:
         tokenizer=tokenizer_json,
