@@ -497,7 +497,10 @@ def faults(pipeline, tmp_path_factory):
         actions["controller_noticed_cancel"] = noticed
         if not noticed:
             cancel_proc.send_signal(signal.SIGINT)
-        runs["run1"] = finish(cancel_proc, cancel_out, timeout=90)
+        # A controller stopped by Ctrl-C first waits for the plugin's status thread, whose
+        # pause between polls grows by 10 s per quiet poll: give it time to remove its lock (a
+        # second interrupt after 90 s once left the lock, and the rerun below could not start).
+        runs["run1"] = finish(cancel_proc, cancel_out, timeout=240)
 
         # The rerun: same command, plus --slurm-requeue; requeue its job mid-shard.
         cmd = snakemake_cmd(360, cancel_cfg, "--slurm-requeue", target_001)
