@@ -645,8 +645,8 @@ def test_preempted_generate_job_resumes_and_the_controller_finishes(preempted_ru
 
 
 PREEMPTIONS = 5
-# Twice PREEMPT_DELAY_S: a 40-prompt shard takes ~160 s of work, more than five rounds of
-# preempt, requeue and restart leave it (with 4 s, an unloaded CI run finished after four).
+# Twice PREEMPT_DELAY_S: a 40-prompt shard takes ~160 s of work, ample for five rounds of
+# preempt, requeue and restart.
 PREEMPT5_DELAY_S = 2 * PREEMPT_DELAY_S
 
 
@@ -672,19 +672,24 @@ def test_a_job_preempted_five_times_under_cancel_completes_exactly_once(
     cmd = pipeline_cmd(900, cfg, layer, target)
     proc, out = start_run(workdir, cmd, "cancel5", slurm_conf_path, TOKENMILL_PREEMPT_WATCH_S="5")
     seen = PREEMPTION_SEEN["cancel"]
-    at_preemption = []
+    at_preemption = []  # samples journaled when each preemption had been handled
+    job = None
     try:
         for i in range(PREEMPTIONS):
-            # the job runs (again) and has journaled one more sample since the last preemption
+            # The job runs (again) and has journaled one more sample than when it was last
+            # preempted: preempting a job still held PENDING would preempt nothing.
             wanted = (at_preemption[-1] if at_preemption else 1) + 1
             deadline = time.monotonic() + 300
-            while ts.journal_records(workdir, "chat", "000") < wanted:
+            while not (
+                ts.journal_records(workdir, "chat", "000") >= wanted
+                and job is not None
+                and squeue_states(job).startswith("RUNNING")
+            ):
                 assert time.monotonic() < deadline, f"preemption {i + 1}: no generate progress"
                 assert proc.poll() is None, ts.tail(out.read_text())
+                if job is None and ts.slurm_jobs_of(workdir, "generate_shard"):
+                    (job,) = ts.slurm_jobs_of(workdir, "generate_shard")
                 time.sleep(0.5)
-            if i == 0:
-                (job,) = ts.slurm_jobs_of(workdir, "generate_shard")
-            at_preemption.append(ts.journal_records(workdir, "chat", "000"))
             high, _ = sbatch(tmp_path, f"high{i}", "-p", "high", "--nodes=2", "--gres=gpu:2",
                              wrap="sleep 2")  # fmt: skip
             assert wait_job(high, timeout=120) == "COMPLETED"
@@ -693,6 +698,8 @@ def test_a_job_preempted_five_times_under_cancel_completes_exactly_once(
                 assert time.monotonic() < deadline, f"preemption {i + 1} was never requeued"
                 assert proc.poll() is None, ts.tail(out.read_text())
                 time.sleep(0.5)
+            # the preempted run has stopped (its journal flushed) before the requeue is said
+            at_preemption.append(ts.journal_records(workdir, "chat", "000"))
             release_when_seen(job, proc, out, seen)
         rc, text = ts.finish(proc, out, timeout=600)
     finally:
