@@ -341,6 +341,14 @@ def atomic_path(path: str | os.PathLike):
     return Path(tmp)
 
 
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    """`obj` as indented JSON with sorted keys (the same object, the same bytes) under `path`,
+    complete or not at all (atomic_path, then a rename)."""
+    tmp = atomic_path(path)
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)
+
+
 def write_table(
     table: pa.Table,
     path: str | os.PathLike,

@@ -543,6 +543,7 @@ def merge_conversation_shard(
             _RowGroupColumn(generated, "output_ids", batch_rows),
         )
 
+    keys_arr, finish_arr = np.array(keys_, dtype=object), np.array(finish, dtype=object)
     # Pass 1: every turn validated like any sample, its reasoning tokens counted (None without
     # think-end), as for a plain shard; only these per-turn numbers are kept.
     reason = np.full(gen.num_rows, validate.OK, np.int64)
@@ -551,9 +552,8 @@ def merge_conversation_shard(
     for b, rows in enumerate(batch_rows):
         p_val, p_off, o_val, o_off = turn_tokens(cols, rows, b)
         expected = np.array(keys.sample_keys(generation_fp, (p_val, p_off)), dtype=object)
-        got = np.array([keys_[i] for i in rows], dtype=object)
         reason[rows] = validate.validate(
-            rules, p_val, p_off, o_val, o_off, [finish[i] for i in rows], expected == got
+            rules, p_val, p_off, o_val, o_off, finish_arr[rows], expected == keys_arr[rows]
         )
         all_off, all_ids, _ = concat_lists(p_off, p_val, o_off, o_val)
         still_open = validate.unterminated(

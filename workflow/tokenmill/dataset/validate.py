@@ -115,15 +115,16 @@ class TokenFacts:
     resolved_from: dict
 
 
-def facts_source(dataset, generation) -> dict:
-    """The config values the token facts depend on (besides the tokenizer itself)."""
-    ds = as_section(dataset, "dataset")
-    gen = as_section(generation, "generation")
-    return {
-        "stop_tokens": list(gen.stop_tokens),
-        "think_end_token": ds.think_end_token,
-        "think_start_token": ds.think_start_token,
-    }
+def facts_source(dataset=None, generation=None) -> dict:
+    """The config values the token facts depend on (besides the tokenizer itself): the think
+    tokens of `dataset`, the stop tokens of `generation` (a section left out: not its keys)."""
+    source = {}
+    if generation is not None:
+        source["stop_tokens"] = list(as_section(generation, "generation").stop_tokens)
+    if dataset is not None:
+        ds = as_section(dataset, "dataset")
+        source |= {"think_end_token": ds.think_end_token, "think_start_token": ds.think_start_token}
+    return source
 
 
 def token_facts(dataset, generation, tokenizer) -> TokenFacts:
@@ -160,9 +161,7 @@ def write_token_facts(path, facts: TokenFacts, tokenizer_fingerprint: str) -> No
     from tokenmill import contracts
 
     obj = facts_dict(facts) | {"tokenizer_fingerprint": tokenizer_fingerprint}
-    tmp = contracts.atomic_path(path)
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", "utf-8")
-    os.replace(tmp, path)
+    contracts.write_json_atomic(path, obj)
 
 
 def read_token_facts(path, dataset=None, generation=None) -> TokenFacts:
@@ -180,12 +179,7 @@ def read_token_facts(path, dataset=None, generation=None) -> TokenFacts:
         think_end_id=obj["think_end_id"],
         resolved_from=dict(obj["resolved_from"]),
     )
-    want = {}
-    if dataset is not None:
-        ds = as_section(dataset, "dataset")
-        want |= {"think_end_token": ds.think_end_token, "think_start_token": ds.think_start_token}
-    if generation is not None:
-        want["stop_tokens"] = list(as_section(generation, "generation").stop_tokens)
+    want = facts_source(dataset, generation)
     differ = {k: v for k, v in want.items() if facts.resolved_from.get(k) != v}
     if differ:
         have = {k: facts.resolved_from.get(k) for k in differ}

@@ -276,9 +276,10 @@ def format_requests(rows: list[dict]) -> list[str]:
         mem = "/".join(str(m) for m in j["mem_mb"])
         runtime = "/".join(str(m) for m in j["runtime_min"])
         nodes = f" on {j['nodes']} nodes" if j["nodes"] > 1 else ""
+        attempts = "/".join(str(n) for n in range(1, len(j["mem_mb"]) + 1))
         lines.append(
             f"generate job {r['category']}: mem {mem} MB, runtime {runtime} min at attempts "
-            f"1/2/3; {j['cpus']} CPUs, {j['gpus_per_job']} GPUs{nodes} (generation.resources)"
+            f"{attempts}; {j['cpus']} CPUs, {j['gpus_per_job']} GPUs{nodes} (generation.resources)"
         )
     return lines
 

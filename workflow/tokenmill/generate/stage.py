@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -54,12 +53,6 @@ def parse_args(argv):
     p.add_argument("--log-dir", required=True)
     p.add_argument("--basedir", default=".")
     return p.parse_args(argv)
-
-
-def _write_json_atomic(path: str, obj) -> None:
-    tmp = contracts.atomic_path(path)
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 def _process_age_s() -> float:
@@ -164,5 +157,5 @@ def main(argv: list[str]) -> int:
         meta["end_time"] = datetime.now(UTC).isoformat(timespec="seconds")
         meta["held"] = held_resources(gen, args.category, meta)
         secrets = [k for k in [os.environ.get(gen.api_key_env or "")] if k]
-        _write_json_atomic(args.meta, redact(meta, secrets))
+        contracts.write_json_atomic(args.meta, redact(meta, secrets))
     return rc
