@@ -436,6 +436,7 @@ def test_squeue_status_command_sees_success_and_failure(pipeline, tmp_path):
 FAULT_DELAY_S = 8  # per /generate request; 2 in flight: a 20-prompt shard needs ~80 s of work
 FAULT_CONCURRENCY = 2
 CANCEL_NOTICE_S = 30  # how long the controller gets to notice an external scancel
+CTRL_C_EXIT_S = 420  # how long a Ctrl-C'd controller gets to exit (status pause + sacct)
 
 
 def fault_config(runtime_min: int) -> dict:
@@ -497,17 +498,29 @@ def faults(pipeline, tmp_path_factory):
         actions["controller_noticed_cancel"] = noticed
         if not noticed:
             cancel_proc.send_signal(signal.SIGINT)
-        # A controller stopped by Ctrl-C first waits for the plugin's status thread, whose
-        # pause between polls grows by 10 s per quiet poll: give it time to remove its lock (a
-        # second interrupt after 90 s once left the lock, and the rerun below could not start).
-        runs["run1"] = finish(cancel_proc, cancel_out, timeout=240)
+        # A controller stopped by Ctrl-C first waits for the plugin's status thread, whose pause
+        # between polls grows by 10 s per quiet poll (up to 180 s): wait for it, as a user would.
+        # A second interrupt leaves Snakemake's lock behind, and the rerun cannot start.
+        exited = wait_until(lambda: cancel_proc.poll() is not None, CTRL_C_EXIT_S)
+        run1_tail = tail(cancel_out.read_text(), 3000)
+        assert exited, f"run1 ignored one Ctrl-C for {CTRL_C_EXIT_S} s:\n{run1_tail}"
+        runs["run1"] = finish(cancel_proc, cancel_out, timeout=1)
+        # Every job of run1 has ended (a retry the controller submitted was cancelled by it).
+        assert wait_until(lambda: not any(squeue_state(j) for j in jobs()), 120), jobs()
+        locks = sorted(p.name for p in (cancel_dir / ".snakemake/locks").glob("*"))
+        assert not locks, f"run1 left Snakemake's lock {locks}:\n{tail(runs['run1'][1], 3000)}"
 
         # The rerun: same command, plus --slurm-requeue; requeue its job mid-shard.
         cmd = snakemake_cmd(360, cancel_cfg, "--slurm-requeue", target_001)
         cancel_proc, cancel_out = start(cancel_dir, cmd, "run2")
-        retry = lambda: [j for j in jobs() if j != actions["scancel"]]  # noqa: E731
+        run1_jobs = set(jobs())
+        retry = lambda: [j for j in jobs() if j not in run1_jobs]  # noqa: E731
         progressed = lambda: retry() and done() >= actions["records_at_scancel"] + 2  # noqa: E731
-        assert wait_until(progressed, 240, cancel_proc), "the rerun made no progress"
+        assert wait_until(progressed, 240, cancel_proc), (
+            f"the rerun made no progress (exit {cancel_proc.poll()}, jobs {jobs()}, "
+            f"{done()} records); run1's tail:\n{tail(runs['run1'][1], 1500)}\n"
+            f"run2's tail:\n{tail(cancel_out.read_text(), 3000)}"
+        )
         actions["requeue"] = retry()[0]
         sh("scontrol", "requeue", actions["requeue"])
         # SLURM holds a requeued job (Reason=BeginTime, ~2 min): let it start now.
