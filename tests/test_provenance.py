@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 from test_merge import build_tokenizer, gen_row, write_generated
 from test_stats import CONFIG, build_results
 
+import tokenmill
 from tokenmill.provenance import manifest as provenance
 from tokenmill.provenance import verify
 
@@ -96,6 +97,7 @@ def test_provenance_contents_and_secret_scrubbing(tmp_path, monkeypatch):
     assert m["model"] == {"id": "tiny/model", "revision": None, "engine": "sglang"}
     assert m["config"]["files"][0]["path"].endswith("config.yaml")
     assert m["software"]["packages"]["pyarrow"] and "sglang" in m["software"]["packages"]
+    assert m["software"]["packages"]["tokenmill"] == tokenmill.__version__
     assert m["workflow"] == {"git_commit": None, "dirty": None}  # tmp_path is no git checkout
     assert {j["slurm_job_id"] for j in m["jobs"]} == {"42"}
     assert m["times"]["start"] == "2024-01-01T00:00:00+00:00"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -29,6 +30,8 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import ROOT, copy_workflow
+
+import tokenmill
 
 ENVS = ROOT / "workflow" / "envs"
 RULES = ROOT / "workflow" / "rules"
@@ -205,3 +208,6 @@ def test_rules_run_from_the_env_dependencies_alone(demo_workdir, tmp_path):
         rel = shard.relative_to(demo_workdir / "results")
         assert (work / "results" / rel).read_bytes() == shard.read_bytes(), rel
     assert (work / "results/dataset/vocab_mapping/vocab_mapping.pt").is_file()  # torch there
+    # Not installed, yet the provenance says which tokenmill made the data (the code that ran).
+    software = json.loads((work / "results/provenance.json").read_text())["software"]
+    assert software["packages"]["tokenmill"] == tokenmill.__version__, software

@@ -71,6 +71,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+import tokenmill
 from tokenmill import contracts, keys
 from tokenmill.contracts import sha256_file
 from tokenmill.dataset import draft_vocab as dv
@@ -176,8 +177,12 @@ def _git(basedir: Path) -> dict:
 
 
 def _software() -> dict:
-    pkgs = {}
+    # tokenmill: the code that ran says its version (the rules import it from the workflow's
+    # folder, installed or not; an installed copy's metadata may be another checkout's).
+    pkgs = {"tokenmill": tokenmill.__version__}
     for name in PACKAGES:
+        if name in pkgs:
+            continue
         try:
             pkgs[name] = importlib_metadata.version(name)
         except importlib_metadata.PackageNotFoundError:
