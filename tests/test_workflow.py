@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -522,6 +523,24 @@ def test_reproduce_from_provenance_matches_byte_for_byte(demo_workdir, tmp_path)
     assert refused.returncode != 0
     said = refused.stdout + refused.stderr
     assert "cannot reproduce" in said and "code_sample.jsonl" in said, said
+
+
+def test_the_cards_provenance_commands_run_on_a_copy_of_the_folder(demo_workdir, tmp_path):
+    """The dataset card tells whoever has only the folder how to check and regenerate it: its
+    two commands, run as written on a copy of the folder, verify it and write a config."""
+    folder = tmp_path / "published"
+    shutil.copytree(demo_workdir / "results" / "dataset", folder)
+    card = (folder / "README.md").read_text()
+    commands = re.findall(r"`(tokenmill (?:verify|reproduce-config) [^`]+)`", card)
+    assert [c.split()[1] for c in commands] == ["verify", "reproduce-config"], card
+    for command in commands:
+        argv = shlex.split(command.replace("<this folder>", str(folder)))[1:]
+        proc = tokenmill(tmp_path, *argv)
+        assert proc.returncode == 0, (command, proc.stdout + proc.stderr)
+    made = yaml.safe_load((tmp_path / "repro.yaml").read_text())
+    assert set(made["categories"]) == set(
+        yaml.safe_load((ROOT / "config.yaml").read_text())["categories"]
+    )
 
 
 def test_gpu_hours_come_from_each_jobs_meta_not_todays_resources(demo_workdir, tmp_path):

@@ -105,8 +105,11 @@ def render(results_dir, config: dict, summary: dict | None) -> str:
         f"`{contracts.canonical_json(thaw(gen.stop_tokens))}`, seed policy "
         f"`{gen.seed_policy}`",
         "- Rejected samples (truncated, aborted, missing stop token, too long, ...) are not in "
-        "this dataset; they are listed with a reason in the pipeline's `rejected/` folder, and "
-        "`provenance.json` records every input, setting and output checksum.",
+        "this dataset; they are listed with a reason in the pipeline's `rejected/` folder.",
+        "- This folder's `provenance.json` lists each of its files with its sha256, and the "
+        "config, tokenizer, model and engine that made them. `tokenmill verify <this folder>` "
+        "checks a copy against it; `tokenmill reproduce-config <this folder>/provenance.json "
+        "--out repro.yaml` writes the config that regenerates it.",
         "",
         "## Loading",
         "",
