@@ -281,7 +281,8 @@ def preempt(tmp_path: Path, partition: str, extra: tuple = ()) -> dict:
         st = squeue_states(low)
         if not seen or seen[-1].split(" ", 1)[1] != st:
             seen.append(f"{time.time() - t_submit:.1f} {st}")
-        if not st.startswith(("RUNNING", "COMPLETING")):
+        # SIGNALING: the preemption's signals are being delivered (a grace time may follow).
+        if not st.startswith(("RUNNING", "SIGNALING", "COMPLETING")):
             break
         time.sleep(0.25)
     info = scontrol_job(low)
