@@ -45,9 +45,7 @@ def record(path: Path, ident: dict, message: str) -> None:
         "time": datetime.now(UTC).isoformat(timespec="seconds"),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
     }
-    tmp = contracts.atomic_path(path)
-    tmp.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    contracts.write_json_atomic(path, body)
 
 
 def recorded(path: Path, ident: dict) -> dict | None:

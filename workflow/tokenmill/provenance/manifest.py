@@ -176,17 +176,19 @@ def _git(basedir: Path) -> dict:
     return {"git_commit": commit, "dirty": None if status is None else bool(status)}
 
 
-def _software() -> dict:
+def _version(package: str) -> str | None:
     # tokenmill: the code that ran says its version (the rules import it from the workflow's
     # folder, installed or not; an installed copy's metadata may be another checkout's).
-    pkgs = {"tokenmill": tokenmill.__version__}
-    for name in PACKAGES:
-        if name in pkgs:
-            continue
-        try:
-            pkgs[name] = importlib_metadata.version(name)
-        except importlib_metadata.PackageNotFoundError:
-            pkgs[name] = None
+    if package == "tokenmill":
+        return tokenmill.__version__
+    try:
+        return importlib_metadata.version(package)
+    except importlib_metadata.PackageNotFoundError:
+        return None
+
+
+def _software() -> dict:
+    pkgs = {name: _version(name) for name in PACKAGES}
     return {"python": sys.version.split()[0], "platform": platform.platform(), "packages": pkgs}
 
 
@@ -524,12 +526,10 @@ def main(argv: list[str]) -> int:
         help="with --compare: exit 0 even when outputs differ (the report says how)",
     )
     args = parser.parse_args(argv)
-    tmp = contracts.atomic_path(args.out)
     if args.compare:
         manifest = json.loads(Path(args.compare).read_text())
         report = compare_outputs(manifest, args.results_dir)
-        tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-        tmp.replace(args.out)
+        contracts.write_json_atomic(args.out, report)
         s = report["generated_samples"]
         print(
             f"byte-identical: {len(report['byte_identical_stages']['identical'])} files, "
@@ -554,6 +554,7 @@ def main(argv: list[str]) -> int:
         dtmp = contracts.atomic_path(args.dataset_out)
         dtmp.write_text(dumps(dataset_manifest(manifest, args.results_dir, config), config))
         dtmp.replace(args.dataset_out)
+    tmp = contracts.atomic_path(args.out)
     tmp.write_text(dumps(manifest, config), encoding="utf-8")
     tmp.replace(args.out)
     return 0
