@@ -103,15 +103,19 @@ def write_config(workdir: Path, config: dict, name: str = "test-config.yaml") ->
     return path
 
 
-def snakemake_cmd(timeout_s: int, configfile: Path, *args: str, profile: str = "slurm") -> list:
+def snakemake_cmd(
+    timeout_s: int, configfile: Path, *args: str, profile: str = "slurm", kill_after_s: int = 30
+) -> list:
     if profile == "slurm":
         profiles = ["--profile", "profiles/slurm", "--profile", "tests/slurm/test-overrides"]
     else:
         profiles = ["--profile", "profiles/local", "--cores", "2"]
-    # SIGINT, not SIGTERM: on SIGINT snakemake scancels its jobs; -k if that hangs.
+    # SIGINT, not SIGTERM: on SIGINT snakemake scancels its jobs; -k if that hangs. The -k clock
+    # starts at any SIGINT that `timeout` forwards, a test's own included: a test that needs
+    # Snakemake's orderly Ctrl-C exit (lock released) must give it kill_after_s to finish.
     # --configfile comes last: it takes several values and would swallow the targets.
     return [
-        "timeout", "-s", "INT", "-k", "30", str(timeout_s),
+        "timeout", "-s", "INT", "-k", str(kill_after_s), str(timeout_s),
         str(BIN / "snakemake"), *profiles, *args, "--configfile", str(configfile),
     ]  # fmt: skip
 
@@ -485,9 +489,10 @@ def faults(pipeline, tmp_path_factory):
     cancel_proc = None
     try:
         # scancel of a running generate job, attempt 1.
-        cancel_proc, cancel_out = start(
-            cancel_dir, snakemake_cmd(300, cancel_cfg, target_001), "run1"
-        )
+        # The test's Ctrl-C goes to `timeout`, which forwards it and SIGKILLs snakemake
+        # kill_after_s later: a CI run's controller, killed 30 s after its Ctrl-C, left its lock.
+        run1_cmd = snakemake_cmd(300, cancel_cfg, target_001, kill_after_s=CTRL_C_EXIT_S + 60)
+        cancel_proc, cancel_out = start(cancel_dir, run1_cmd, "run1")
         jobs = lambda: slurm_jobs_of(cancel_dir, "generate_shard", "code_001")  # noqa: E731
         done = lambda: journal_records(cancel_dir, "code", "001")  # noqa: E731
         assert wait_until(lambda: jobs() and done() >= 2, 240, cancel_proc), "no progress"
