@@ -74,7 +74,9 @@ def rules(**over) -> validate.Rules:
     return validate.Rules(**base)
 
 
-def write_tokenized(path: Path, prompts: dict[str, list[int]], category="chat", shard="000"):
+def write_tokenized(
+    path: Path, prompts: dict[str, list[int]], category="chat", shard="000", tokenizer_fp=TOK_FP
+):
     pids = sorted(prompts)
     table = pa.table(
         {
@@ -84,7 +86,7 @@ def write_tokenized(path: Path, prompts: dict[str, list[int]], category="chat", 
         }
     )
     meta = {
-        contracts.META_TOKENIZER_FINGERPRINT: TOK_FP,
+        contracts.META_TOKENIZER_FINGERPRINT: tokenizer_fp,
         "tokenmill.records_in": len(pids),
         "tokenmill.records_kept": len(pids),
         "tokenmill.records_rejected": 0,

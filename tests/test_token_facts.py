@@ -104,14 +104,19 @@ def test_facts_of_another_config_are_refused(tmp_path, capsys):
     assert "stop_tokens" in capsys.readouterr().err
 
 
-def merge_argv(tmp_path: Path, out: str) -> list[str]:
+def fingerprint_of(facts: Path) -> str:
+    return json.loads(facts.read_text())["tokenizer_fingerprint"]
+
+
+def merge_argv(tmp_path: Path, out: str, tokenizer_fp: str) -> list[str]:
+    """A merge of a small shard tokenized with the tokenizer of fingerprint `tokenizer_fp`."""
     prompts = {"a": [7, 3], "b": [5, 6, 3], "c": [9]}
     gens = [
         gen_row("a", prompts["a"], [3, 11, 4, 12, 2]),
         gen_row("b", prompts["b"], [8, 4, 9]),
         gen_row("c", prompts["c"], [3, 10, 1]),
     ]
-    write_tokenized(tmp_path / "t.parquet", prompts)
+    write_tokenized(tmp_path / "t.parquet", prompts, tokenizer_fp=tokenizer_fp)
     write_generated(tmp_path / "g.parquet", gens)
     return [
         "--category", "chat", "--shard", "000",
@@ -125,7 +130,8 @@ def merge_argv(tmp_path: Path, out: str) -> list[str]:
 def test_merge_from_facts_writes_the_bytes_of_merge_from_the_tokenizer(tmp_path):
     tok_cfg = {"path": str(build_tokenizer(tmp_path / "tok"))}
     write_facts(tmp_path / "f.json", DS_CFG, GEN_CFG, tok_cfg)
-    old, new = merge_argv(tmp_path, "old"), merge_argv(tmp_path, "new")
+    fp = fingerprint_of(tmp_path / "f.json")
+    old, new = merge_argv(tmp_path, "old", fp), merge_argv(tmp_path, "new", fp)
     assert merge.main([*old, "--tokenizer-config", json.dumps(tok_cfg)]) == 0
     assert merge.main([*new, "--token-facts", str(tmp_path / "f.json")]) == 0
     for name in ("d.parquet", "r.parquet", "c.parquet"):
@@ -135,11 +141,50 @@ def test_merge_from_facts_writes_the_bytes_of_merge_from_the_tokenizer(tmp_path)
     ]
 
 
+def test_facts_of_another_tokenizer_stop_a_hand_run_merge_and_stats_in_one_line(tmp_path, capsys):
+    """Snakemake reruns token-facts when the tokenizer changes; a merge or stats run by hand
+    with the facts of another tokenizer (or config) must stop, saying so in one line, and
+    write nothing: the facts' stop and think ids would be another tokenizer's."""
+    tok_cfg = {"path": str(build_tokenizer(tmp_path / "tok"))}
+    other_cfg = no_think_open_tokenizer(tmp_path / "other")
+    write_facts(tmp_path / "f.json", DS_CFG, GEN_CFG, tok_cfg)
+    write_facts(tmp_path / "other.json", DS_CFG, GEN_CFG, other_cfg)
+    fp, other_fp = fingerprint_of(tmp_path / "f.json"), fingerprint_of(tmp_path / "other.json")
+    assert fp != other_fp
+
+    argv = [*merge_argv(tmp_path, "out", fp), "--token-facts", str(tmp_path / "other.json")]
+    capsys.readouterr()  # token-facts' own output
+    assert merge.main(argv) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert other_fp[:12] in err and fp[:12] in err and "token-facts" in err, err
+    assert not (tmp_path / "out").exists()
+    # the shard's own tokenizer's facts merge it
+    argv = [*merge_argv(tmp_path, "out", fp), "--token-facts", str(tmp_path / "f.json")]
+    assert merge.main(argv) == 0
+
+    # stats with facts resolved for another think-end token: one line, no traceback, no files
+    from test_stats import CONFIG, build_results
+
+    results = build_results(tmp_path / "tree")
+    ds = dict(CONFIG["dataset"], think_end_token="<|im_end|>")
+    config = json.dumps(dict(CONFIG, dataset=ds))
+    argv = ["--results-dir", str(results), "--config-json", config, "--basedir", str(tmp_path)]
+    argv += ["--token-facts", str(tmp_path / "f.json"), "--out-dir", str(tmp_path / "stats")]
+    capsys.readouterr()
+    assert stats.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tokenmill stats: token facts") and "think_end_token" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "stats").exists()
+
+
 def test_merge_from_facts_imports_neither_torch_nor_transformers(tmp_path):
     """The point of the facts file: a merge job does not pay for importing them."""
     tok_cfg = {"path": str(build_tokenizer(tmp_path / "tok"))}
     write_facts(tmp_path / "f.json", DS_CFG, GEN_CFG, tok_cfg)
-    argv = [*merge_argv(tmp_path, "new"), "--token-facts", str(tmp_path / "f.json")]
+    fp = fingerprint_of(tmp_path / "f.json")
+    argv = [*merge_argv(tmp_path, "new", fp), "--token-facts", str(tmp_path / "f.json")]
     code = (
         "import sys, json; from tokenmill.cli import main; rc = main(json.loads(sys.argv[1]));"
         "print(json.dumps([rc, sorted({m.split('.')[0] for m in sys.modules} &"

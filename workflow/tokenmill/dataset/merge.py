@@ -770,8 +770,15 @@ def main(argv: list[str]) -> int:
     if sections is None:
         return 1
     ds, gen, tok = sections
+    # The facts must come from the tokenizer the shard was tokenized with (Snakemake reruns
+    # token-facts when the tokenizer changes; a merge run by hand has no such guard).
+    shard_tokenizer = None
+    if os.path.exists(args.tokenized):
+        meta = contracts.read_metadata(args.tokenized)
+        shard_tokenizer = meta.get(contracts.META_TOKENIZER_FINGERPRINT)
     try:
-        rules = validate.rules_from_facts(ds, validate.facts_of_arguments(args, ds, gen, tok))
+        facts = validate.facts_of_arguments(args, ds, gen, tok, shard_tokenizer)
+        rules = validate.rules_from_facts(ds, facts)
     except ValueError as exc:
         print(f"tokenmill merge: {exc}", file=sys.stderr)
         return 1

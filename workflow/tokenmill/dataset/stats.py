@@ -934,7 +934,13 @@ def main(argv: list[str]) -> int:
         return 1
     # the validated dict (defaults filled); GPU-hours come from the generate metas, not it
     think = ThinkTokens.of(config, args.basedir, args.token_facts)
-    summary, raws = collect(args.results_dir, config.raw, think)
+    try:
+        if args.token_facts:
+            think.get()  # a small file: check it is this config's before any work, used or not
+        summary, raws = collect(args.results_dir, config.raw, think)
+    except validate.TokenFactsError as exc:
+        print(f"tokenmill stats: {exc}", file=sys.stderr)
+        return 1
     # A category that kept nothing across all its shards (each shard's merge judges only
     # itself, and a shard of one prompt is too small to judge) fails here, before any file.
     empty = kept_nothing(summary, guards.limit_for("merge"))

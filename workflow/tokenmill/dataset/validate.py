@@ -164,14 +164,31 @@ def write_token_facts(path, facts: TokenFacts, tokenizer_fingerprint: str) -> No
     contracts.write_json_atomic(path, obj)
 
 
-def read_token_facts(path, dataset=None, generation=None) -> TokenFacts:
+class TokenFactsError(ValueError):
+    """The facts file cannot be used: unreadable, or made for another config or tokenizer."""
+
+
+def read_token_facts(
+    path, dataset=None, generation=None, tokenizer_fingerprint: str | None = None
+) -> TokenFacts:
     """The facts file's TokenFacts. With `dataset` / `generation` (settings or section dicts),
-    the think tokens / stop tokens it was resolved from must be theirs (ValueError otherwise:
-    the file belongs to another config)."""
-    obj = json.loads(Path(path).read_text("utf-8"))
-    missing = [k for k in FACTS_KEYS if k not in obj]
+    the think tokens / stop tokens it was resolved from must be theirs; with
+    `tokenizer_fingerprint` (a tokenized shard's), it must come from that tokenizer
+    (TokenFactsError otherwise: the file belongs to another config or tokenizer)."""
+    try:
+        obj = json.loads(Path(path).read_text("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TokenFactsError(f"token facts {path}: cannot read it ({exc})") from exc
+    missing = [k for k in FACTS_KEYS if k not in obj] if isinstance(obj, dict) else FACTS_KEYS
     if missing:
-        raise ValueError(f"token facts {path}: missing {', '.join(missing)}")
+        raise TokenFactsError(f"token facts {path}: missing {', '.join(missing)}")
+    made_from = obj.get("tokenizer_fingerprint")
+    if tokenizer_fingerprint and made_from != tokenizer_fingerprint:
+        raise TokenFactsError(
+            f"token facts {path} come from tokenizer {str(made_from)[:12]}, the shard was "
+            f"tokenized with {tokenizer_fingerprint[:12]} (tokenmill.tokenizer_fingerprint): "
+            "rerun `tokenmill token-facts` with the shard's tokenizer, or retokenize"
+        )
     facts = TokenFacts(
         vocab_size=int(obj["vocab_size"]),
         stop_ids=tuple(int(i) for i in obj["stop_ids"]),
@@ -183,7 +200,7 @@ def read_token_facts(path, dataset=None, generation=None) -> TokenFacts:
     differ = {k: v for k, v in want.items() if facts.resolved_from.get(k) != v}
     if differ:
         have = {k: facts.resolved_from.get(k) for k in differ}
-        raise ValueError(
+        raise TokenFactsError(
             f"token facts {path} were resolved for {have}, the config has {differ} "
             "(rerun `tokenmill token-facts`)"
         )
@@ -400,12 +417,15 @@ def load_config_arguments(args, prog: str):
         return None
 
 
-def facts_of_arguments(args, dataset, generation, tokenizer) -> TokenFacts:
+def facts_of_arguments(
+    args, dataset, generation, tokenizer, tokenizer_fingerprint: str | None = None
+) -> TokenFacts:
     """The token facts of add_config_arguments' arguments: read from --token-facts (checked
-    against the dataset and generation settings), or resolved by loading the tokenizer of
-    --tokenizer-config. Either way, the same TokenFacts."""
+    against the dataset and generation settings, and against `tokenizer_fingerprint` when
+    given), or resolved by loading the tokenizer of --tokenizer-config. Either way, the same
+    TokenFacts."""
     if args.token_facts:
-        return read_token_facts(args.token_facts, dataset, generation)
+        return read_token_facts(args.token_facts, dataset, generation, tokenizer_fingerprint)
     from tokenmill.tokenization.tokenizer import load_tokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
