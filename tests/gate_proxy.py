@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -53,15 +54,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gate-path", required=True)
     ap.add_argument("engine", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
+    import psutil  # here: fake_sglang.py imports this module for hold_limit alone
+
     engine_argv = [a for a in args.engine if a != "--"]
     inner = free_port()
     engine_argv = [a.replace("@INNER_PORT@", str(inner)) for a in engine_argv]
     engine = subprocess.Popen(engine_argv, preexec_fn=set_pdeathsig)
     upstream = f"http://127.0.0.1:{inner}"
     forwarded = 0
+    engine_listens = False
+
+    def listens_on_inner() -> bool:
+        # Another process may take `inner` between free_port() and the engine's bind (a CI run:
+        # a reference engine of the other xdist worker answered, with 404s): forward only once
+        # the listener there is our engine (or its child), and say "not ready" until then.
+        nonlocal engine_listens
+        if not engine_listens:
+            with contextlib.suppress(psutil.Error):
+                root = psutil.Process(engine.pid)
+                engine_listens = any(
+                    c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == inner
+                    for proc in (root, *root.children(recursive=True))
+                    for c in proc.net_connections(kind="tcp")
+                )
+        return engine_listens
 
     async def handle(request: web.Request) -> web.StreamResponse:
         nonlocal forwarded
+        if not listens_on_inner():
+            return web.Response(status=503, text="engine not listening yet")
         if request.method == "POST" and request.path == args.gate_path:
             while (n := hold_limit(args.gate_file)) is not None and forwarded >= n:
                 await asyncio.sleep(0.05)

@@ -218,11 +218,15 @@ class Stage:
         return json.loads((self.root / "m.json").read_text())
 
 
-def _wait_for(cond, timeout: float, what: str, stage: Stage):
+def _wait_for(cond, timeout: float, what: str, stage: Stage, proc: subprocess.Popen):
+    """Wait for `cond`; fail at once when the stage process `proc` has exited without it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
             return
+        if proc.poll() is not None and not cond():
+            raise AssertionError(f"the stage exited ({proc.returncode}) before {what}\n"
+                                 f"{stage.tail()}")  # fmt: skip
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}\n{stage.tail()}")
 
@@ -292,7 +296,7 @@ def test_generate_kill_resume_against_real_engine(engine, tmp_path, model_dir, s
     st.hold_after(8)
     p = st.start()
     try:
-        _wait_for(lambda: st.journaled() >= 8, 600, "8 journaled samples", st)
+        _wait_for(lambda: st.journaled() >= 8, 600, "8 journaled samples", st, p)
         eng = _engine_proc(p)
         group = [eng, *eng.children(recursive=True)]
         p.send_signal(signal.SIGKILL)
@@ -310,7 +314,7 @@ def test_generate_kill_resume_against_real_engine(engine, tmp_path, model_dir, s
     st.hold_after(5)
     p = st.start()
     try:
-        _wait_for(lambda: st.journaled() >= done_a + 5, 600, "5 more samples", st)
+        _wait_for(lambda: st.journaled() >= done_a + 5, 600, "5 more samples", st, p)
         eng = _engine_proc(p)
         os.killpg(eng.pid, signal.SIGKILL)
         st.hold_after(None)  # long before the restarted engine is ready (a start takes seconds)
