@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import copy_workflow, failed, snakemake
+from helpers import BIN, copy_workflow, failed, snakemake
 
 # No Hugging Face downloads, ever: set before anything imports huggingface_hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -53,6 +55,12 @@ def sample_model_dir() -> Path:
     return path
 
 
+def shared_basetemp(tmp_path_factory) -> Path:
+    """The folder every pytest-xdist worker's basetemp is in (the basetemp without xdist)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
 @pytest.fixture(scope="session")
 def demo_workdir(tmp_path_factory) -> Path:
     """The demo (config.yaml, the reference engine on CPU) run end to end by Snakemake in a tmp
@@ -60,9 +68,7 @@ def demo_workdir(tmp_path_factory) -> Path:
     finished run. Under pytest-xdist the workers share one run: the first to need it makes it
     under a lock, the others wait for it. Read-only: a test that edits files or reruns Snakemake
     works on a copy (helpers.copy_run)."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the folder every worker's basetemp is in
+    root = shared_basetemp(tmp_path_factory)
     workdir, done = root / "demo-run", root / "demo-run.done"
     with open(root / "demo-run.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -73,6 +79,71 @@ def demo_workdir(tmp_path_factory) -> Path:
             assert proc.returncode == 0, failed(proc)
             done.touch()
     return workdir
+
+
+@pytest.fixture(scope="session")
+def reproduced_run(demo_workdir, tmp_path_factory) -> dict:
+    """The demo's published dataset folder (a copy of its results/dataset) reproduced in a
+    fresh checkout with no results and no journal: `tokenmill verify` on the folder,
+    `tokenmill reproduce-config` from its provenance.json, then the whole run, every sample
+    generated again, by a Snakemake from a venv holding only the env files' pins (tokenmill not
+    installed: the workflow's folder is its only copy) in a clean environment (`env -i`).
+    One run for two modules' tests (test_workflow.py: reproduction; test_standalone_envs.py:
+    the envs suffice), made like demo_workdir, once per test run. Read-only.
+
+    Returns the checkout, the published folder, and each command's exit status and output."""
+    from test_standalone_envs import deps_only_venv  # the module that owns the env pins
+
+    root = shared_basetemp(tmp_path_factory) / "reproduced"
+    record, done = root / "record.json", root / "done"
+    with open(f"{root}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(root, ignore_errors=True)  # a failed attempt's leftovers
+            published, home = root / "published", root / "home"
+            shutil.copytree(demo_workdir / "results" / "dataset", published)
+            home.mkdir()
+            checkout = copy_workflow(root / "checkout")
+            tm = str(BIN / "tokenmill")
+            steps = {
+                "verify": ([tm, "verify", str(published)], None),
+                "reproduce_config": (
+                    [
+                        tm,
+                        "reproduce-config",
+                        str(published / "provenance.json"),
+                        "--out",
+                        "repro.yaml",
+                        "--results-dir",
+                        "repro",
+                    ],
+                    None,
+                ),  # fmt: skip
+                "run": (
+                    [
+                        str(deps_only_venv() / "bin" / "snakemake"),
+                        "--profile",
+                        "profiles/local",
+                        "--cores",
+                        "2",
+                        "--configfile",
+                        "repro.yaml",
+                    ],
+                    {"HOME": str(home), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
+                ),  # fmt: skip
+            }
+            said = {}
+            for name, (argv, env) in steps.items():
+                proc = subprocess.run(argv, cwd=checkout, env=env, capture_output=True,
+                                      text=True, timeout=1500)  # fmt: skip
+                said[name] = {"rc": proc.returncode, "out": failed(proc)}
+                if proc.returncode != 0:
+                    break
+            record.write_text(json.dumps(said))
+            done.touch()
+    return {"checkout": root / "checkout", "published": root / "published"} | json.loads(
+        record.read_text()
+    )
 
 
 # The slowest modules first, longest first (measured: `python tests/run_sessions.py` prints

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import ROOT, copy_workflow
+from helpers import ROOT
 
 import tokenmill
 
@@ -174,40 +174,27 @@ def deps_only_venv() -> Path:
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_rules_run_from_the_env_dependencies_alone(demo_workdir, tmp_path):
+def test_rules_run_from_the_env_dependencies_alone(demo_workdir, reproduced_run):
+    """conftest's reproduced_run: the demo reproduced from its provenance by a Snakemake from
+    deps_only_venv() in a clean environment (`env -i`), every sample generated again."""
     venv = deps_only_venv()
     python = str(venv / "bin" / "python")
     gone = subprocess.run([python, "-c", "import tokenmill"], capture_output=True, env={})
     assert gone.returncode != 0  # not installed: the workflow's folder is the only copy
 
-    work = copy_workflow(tmp_path / "clone")
-    # The demo's paid-for samples: generate replays them (the demo's engine is not the point).
-    shutil.copytree(demo_workdir / "journal", work / "journal")
-    home = tmp_path / "home"
-    home.mkdir()
-    proc = subprocess.run(
-        [
-            "env",
-            "-i",
-            f"HOME={home}",
-            "PATH=/usr/bin:/bin",
-            "HF_HUB_OFFLINE=1",
-            str(venv / "bin" / "snakemake"),
-            "--profile",
-            "profiles/local",
-            "--cores",
-            "2",
-        ],
-        cwd=work,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run = reproduced_run["run"]
+    assert run["rc"] == 0, run["out"]
+    results = reproduced_run["checkout"] / "repro"
     for shard in sorted((demo_workdir / "results/dataset").glob("*/*.parquet")):
         rel = shard.relative_to(demo_workdir / "results")
-        assert (work / "results" / rel).read_bytes() == shard.read_bytes(), rel
-    assert (work / "results/dataset/vocab_mapping/vocab_mapping.pt").is_file()  # torch there
+        assert (results / rel).read_bytes() == shard.read_bytes(), rel
+    assert (results / "dataset/vocab_mapping/vocab_mapping.pt").is_file()  # torch there
+    # Generation ran too: each shard's engine started from this venv and answered every prompt.
+    metas = sorted((results / "generated").glob("*/*.meta.json"))
+    assert metas
+    for meta in metas:
+        m = json.loads(meta.read_text())
+        assert m["engine_started"] and m["counts"]["from_journal"] == 0, (meta, m["counts"])
     # Not installed, yet the provenance says which tokenmill made the data (the code that ran).
-    software = json.loads((work / "results/provenance.json").read_text())["software"]
+    software = json.loads((results / "provenance.json").read_text())["software"]
     assert software["packages"]["tokenmill"] == tokenmill.__version__, software

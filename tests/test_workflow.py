@@ -480,29 +480,16 @@ def test_verify_passes_and_names_a_tampered_file(finished_run, tmp_path):
     assert "dataset/chat/000.parquet" in bad.stdout + bad.stderr
 
 
-def test_reproduce_from_provenance_matches_byte_for_byte(demo_workdir, tmp_path):
+def test_reproduce_from_provenance_matches_byte_for_byte(reproduced_run, tmp_path):
     """The published dataset folder alone (a copy of results/dataset, which verifies) reproduces
-    the demo in a fresh checkout with no results and no journal: every stage byte-identical,
-    every sample generated again and identical, the training shards the published bytes. A
-    checkout whose inputs differ from the manifest refuses to start, saying why."""
-    published = tmp_path / "published"
-    shutil.copytree(demo_workdir / "results" / "dataset", published)
-    ok = tokenmill(tmp_path, "verify", str(published))
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-
-    checkout = copy_workflow(tmp_path / "checkout")
-    made = tokenmill(
-        checkout,
-        "reproduce-config",
-        str(published / "provenance.json"),
-        "--out",
-        "repro.yaml",
-        "--results-dir",
-        "repro",
-    )
-    assert made.returncode == 0, made.stderr
-    run = snakemake(checkout, "--configfile", "repro.yaml")
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
+    the demo in a fresh checkout with no results and no journal (conftest's reproduced_run):
+    every stage byte-identical, every sample generated again and identical, the training
+    shards the published bytes. A checkout whose inputs differ from the manifest refuses to
+    start, saying why."""
+    said = reproduced_run
+    for step in ("verify", "reproduce_config", "run"):
+        assert said[step]["rc"] == 0, (step, said[step]["out"])
+    checkout, published = said["checkout"], said["published"]
     report = json.loads((checkout / "repro/reproduce/report.json").read_text())
     stages = report["byte_identical_stages"]
     assert report["ok"] and stages["identical"] and not stages["different"], stages
@@ -518,8 +505,10 @@ def test_reproduce_from_provenance_matches_byte_for_byte(demo_workdir, tmp_path)
         assert have == e["sha256"], e["path"]
 
     # A checkout whose inputs differ from the manifest refuses to start, saying why.
-    _edit_one_code_prompt(checkout)
-    refused = snakemake(checkout, "-n", "--configfile", "repro.yaml")
+    edited = copy_workflow(tmp_path / "edited")
+    shutil.copy2(checkout / "repro.yaml", edited / "repro.yaml")
+    _edit_one_code_prompt(edited)
+    refused = snakemake(edited, "-n", "--configfile", "repro.yaml")
     assert refused.returncode != 0
     said = refused.stdout + refused.stderr
     assert "cannot reproduce" in said and "code_sample.jsonl" in said, said
