@@ -43,6 +43,19 @@ SESSIONS: dict[str, tuple[list[str], dict[str, str]]] = {
 }
 
 
+def machine_cpu_s() -> tuple[float, float] | None:
+    """(busy, idle) CPU seconds of the whole machine so far, from /proc/stat (None elsewhere):
+    what every process used, the SLURM clusters' jobs and daemons included, which no session's
+    own CPU time counts."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, idle, iowait, irq, softirq = fields[:7]
+    return (user + nice + system + irq + softirq) / hz, (idle + iowait) / hz
+
+
 def main(argv: list[str]) -> int:
     extra: list[str] = []
     if "--" in argv:
@@ -56,6 +69,7 @@ def main(argv: list[str]) -> int:
     args.logs.mkdir(parents=True, exist_ok=True)
     args.tmp.mkdir(parents=True, exist_ok=True)  # pytest makes --basetemp but not its parents
 
+    started, cpu_at_start = time.monotonic(), machine_cpu_s()
     running = {}
     for name in args.only:
         paths, env = SESSIONS[name]
@@ -91,6 +105,14 @@ def main(argv: list[str]) -> int:
     for name, (rc, wall, cpu) in results.items():
         status = "passed" if rc == 0 else f"FAILED (exit {rc})"
         print(f"  {name:<12} {status:<16} {wall / 60:5.1f} min wall {cpu / 60:6.1f} min CPU")
+    cpu_at_end = machine_cpu_s()
+    if cpu_at_start and cpu_at_end:
+        busy, idle = (end - start for start, end in zip(cpu_at_start, cpu_at_end, strict=True))
+        print(
+            f"  machine: {(time.monotonic() - started) / 60:.1f} min wall, {busy / 60:.1f} min CPU "
+            f"busy and {idle / 60:.1f} min idle on {os.cpu_count()} CPUs (every process: the "
+            "SLURM jobs too)"
+        )
     return 0 if all(rc == 0 for rc, _, _ in results.values()) else 1
 
 
