@@ -90,6 +90,31 @@ def test_start_check_model_and_stop(tmp_path, version):
     assert "engine start #1" in log and "engine stopped" in log
 
 
+def test_a_server_already_on_the_engines_port_is_not_taken_for_the_engine(tmp_path, monkeypatch):
+    """Between free_port() and the engine's own bind (minutes on a GPU node, after the weights
+    load) another process can take the port. That server, here serving the same model, would
+    answer the readiness check in the engine's place. The launcher sees a listener older than
+    its engine, stops the engine and starts it again on another port."""
+    taken = eng.free_port()
+    other = fake_sglang.start(taken)
+    picks, real = iter([taken]), eng.free_port
+    monkeypatch.setattr(eng, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+    e = eng.ManagedEngine(_gen(), tmp_path / "logs")
+    try:
+        asyncio.run(e.start())
+        assert e.alive() and e.port != taken and e.url == f"http://127.0.0.1:{e.port}"
+        assert e.starts == 2
+        # the server that answers now is the engine's: its own process listens there
+        assert eng.older_listener(e.port, e.started_ticks) is None
+    finally:
+        e.stop(grace_s=5)
+        other.kill()
+        other.wait(timeout=10)
+    log = (tmp_path / "logs" / "engine.log").read_text()
+    assert f"port {taken} was taken by pid {other.pid} (" in log, log
+    assert "engine start #2" in log
+
+
 def test_exit_at_start_fails_fast_with_log_tail(tmp_path):
     e = eng.ManagedEngine(_gen("--exit-at-start", "7"), tmp_path)
     t0 = time.monotonic()

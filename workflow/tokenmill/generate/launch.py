@@ -83,10 +83,80 @@ class EngineError(RuntimeError):
     pass
 
 
+class PortTaken(EngineError):
+    """Another process was listening on the engine's port: start again on another one."""
+
+
+PORT_TRIES = 3  # ports an engine start tries before giving up (each taken by another process)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host if host not in ("0.0.0.0", "") else "", 0))
         return s.getsockname()[1]
+
+
+def _listening_inodes(port: int) -> set[str] | None:
+    """Inodes of the TCP sockets listening on `port` (any address), from /proc/net/tcp and
+    tcp6; None where /proc cannot say (not Linux)."""
+    found, seen_a_table = set(), False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        seen_a_table = True
+        for line in lines:
+            f = line.split()
+            # local address "ADDR:PORT" in hex; state 0A is LISTEN; the inode is field 9
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                found.add(f[9])
+    return found if seen_a_table else None
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat, field 22)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def older_listener(port: int, engine_started: int) -> str | None:
+    """A process that listens on `port` and was running before the engine was started (at
+    `engine_started`, _start_ticks of its process), named with its pid and command line (None:
+    no such process that /proc shows us).
+
+    Another process can take the port between free_port() and the engine's own bind, which on
+    a node shared by several generate jobs comes minutes later (after the weights load). That
+    server would then answer the readiness check in the engine's place. A listener older than
+    the engine cannot be one of the engine's processes, whatever the launch command wraps it in
+    (srun, a container). Processes of other users hide their sockets: not seen here."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return None
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = list((entry / "fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                started = _start_ticks(int(entry.name))
+                if started is not None and started < engine_started:
+                    try:
+                        cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                    except OSError:
+                        cmd = "?"
+                    return f"pid {entry.name} ({cmd.strip()[:200]})"
+                break
+    return None
 
 
 def ports_free(base: int, span: int = DIST_PORT_SPAN, host: str = "") -> bool:
@@ -396,6 +466,8 @@ class ManagedEngine:
         self.url: str | None = None
         self.argv: list[str] = []
         self.dist_port: int | None = None
+        self.port: int | None = None
+        self.started_ticks: int | None = None  # the engine process's start (_start_ticks)
         self.starts = 0
         self.server_info: dict = {}
         self.model_info: dict = {}
@@ -448,7 +520,15 @@ class ManagedEngine:
         return "\n".join(redact(lines[-n:], [self.api_key or ""]))
 
     async def start(self) -> None:
-        port = free_port(self.launch.host)
+        for _ in range(PORT_TRIES - 1):
+            try:
+                return await self._start_on(free_port(self.launch.host))
+            except PortTaken as exc:
+                log.warning("%s: starting the engine again on another port", exc)
+        return await self._start_on(free_port(self.launch.host))
+
+    async def _start_on(self, port: int) -> None:
+        self.port = port
         self.argv = self.build_argv(port)
         self.url = f"http://{self._request_host()}:{port}"
         self.starts += 1
@@ -477,6 +557,7 @@ class ManagedEngine:
                 )
             except OSError as exc:
                 raise EngineError(f"cannot start engine {self.argv[0]!r}: {exc}") from exc
+        self.started_ticks = _start_ticks(self.proc.pid)
         await self.wait_ready()
 
     async def wait_ready(self) -> None:
@@ -487,6 +568,7 @@ class ManagedEngine:
             while True:
                 if not self.alive():
                     code = self.proc.returncode if self.proc else None
+                    self._check_port_is_ours()  # an engine that could not bind its port
                     raise EngineError(
                         f"engine exited with code {code} during startup; last lines of "
                         f"{self.log_path}:\n{self.log_tail()}"
@@ -500,6 +582,7 @@ class ManagedEngine:
                 try:
                     st, _ = await _get_json(s, self.url + self.api.health_path, self.headers)
                     if st == 200 and await self.api.fetch_model_info(s, self.url, self.headers):
+                        self._check_port_is_ours()
                         break
                 except (TimeoutError, aiohttp.ClientError, OSError):
                     pass
@@ -516,6 +599,23 @@ class ManagedEngine:
             self.stop()
             raise
         self.api.remember(self.url, self.model_info)
+
+    def _check_port_is_ours(self) -> None:
+        """PortTaken (the engine stopped) when the server that answered is a process that was
+        listening on the port before this engine started (older_listener)."""
+        if self.launch.nnodes > 1 or self.started_ticks is None:
+            return  # rank 0 runs on the first node of the job, not necessarily here
+        other = older_listener(self.port, self.started_ticks)
+        if other is None:
+            return
+        message = (
+            f"port {self.port} was taken by {other}, running before engine start "
+            f"#{self.starts}; it answered in the engine's place"
+        )
+        with open(self.log_path, "ab") as logf:
+            logf.write(f"===== tokenmill: {message}\n".encode())
+        self.stop(grace_s=5)
+        raise PortTaken(message)
 
     def stop(self, grace_s: float = 30.0) -> None:
         proc, self.proc = self.proc, None
