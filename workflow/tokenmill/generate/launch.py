@@ -610,7 +610,7 @@ class ManagedEngine:
             return
         message = (
             f"port {self.port} was taken by {other}, running before engine start "
-            f"#{self.starts}; it answered in the engine's place"
+            f"#{self.starts}: its server, not the engine, would answer there"
         )
         with open(self.log_path, "ab") as logf:
             logf.write(f"===== tokenmill: {message}\n".encode())
