@@ -118,7 +118,7 @@ def reproduced_run(demo_workdir, tmp_path_factory) -> dict:
                         "repro",
                     ],
                     None,
-                ),  # fmt: skip
+                ),
                 "run": (
                     [
                         str(deps_only_venv() / "bin" / "snakemake"),
@@ -130,7 +130,7 @@ def reproduced_run(demo_workdir, tmp_path_factory) -> dict:
                         "repro.yaml",
                     ],
                     {"HOME": str(home), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
-                ),  # fmt: skip
+                ),
             }
             said = {}
             for name, (argv, env) in steps.items():

@@ -8,9 +8,11 @@ machines, so `--software-deployment-method conda` and `apptainer build` themselv
 - each env holds what its rule group's code imports (its stage folder, the shared modules and
   the command line), directly or through a listed package;
 - the rules run from an environment built from those dependencies alone: a venv with only the
-  env files' pins (and Snakemake) and NO tokenmill installed runs the demo to the end in a
-  clean environment (`env -i`), the package reached from the workflow's folder; the training
-  shards are the demo's, byte for byte (e2e, slow; the venv is cached in ~/.cache/tokenmill);
+  env files' pins (and Snakemake) and NO tokenmill installed runs the demo's reproduction to
+  the end, every sample generated again, in a clean environment (`env -i`), the package
+  reached from the workflow's folder (conftest's reproduced_run, shared with the reproduce
+  test); the training shards are the demo's, byte for byte (e2e, slow; the venv is cached in
+  ~/.cache/tokenmill);
 - the container definition runs SGLang's server as the documented container command does.
 """
 
