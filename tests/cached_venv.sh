@@ -1,6 +1,7 @@
 # Sourced by tests/{vllm,speculators,specforge}/ensure_venv.sh: a venv made once per machine
 # outside the repo (CI on the same machine reuses it), never the project venv. The caller sets
-# VENV, MARKER and PY, calls `venv_begin`, installs with `step CMD...`, then calls `venv_done`.
+# VENV, MARKER and PY, calls `venv_begin`, installs with `install PACKAGE...` (uv, configured
+# as this machine's pip: tests/uv_pip.py) and checks with `step CMD...`, then calls `venv_done`.
 # The marker file, written last, makes a half-finished install start over.
 
 venv_ready() {
@@ -22,8 +23,13 @@ venv_begin() {  # prints the python and exits when the venv is ready; else start
     rm -rf "$VENV"
     LOGF="$(dirname "$VENV")/install-$(basename "$VENV").log"
     : >"$LOGF"
-    step "$PY" -m venv "$VENV"
-    step "$VENV/bin/pip" install -U pip
+    step "$PY" -m venv --without-pip "$VENV"
+    mapfile -t UV_PIP < <(python3 "$(dirname "${BASH_SOURCE[0]}")/uv_pip.py")
+    [ "${#UV_PIP[@]}" -gt 0 ] || { echo "ensure_venv: tests/uv_pip.py failed" >&2; exit 1; }
+}
+
+install() {  # UV_PIP: the uv binary, then pip's settings as uv flags
+    step "${UV_PIP[0]}" pip install --python "$VENV/bin/python" "${UV_PIP[@]:1}" "$@"
 }
 
 step() {  # run quietly into the log; on failure show its end (minus pip's index noise)

@@ -30,6 +30,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import uv_pip
 import yaml
 from helpers import ROOT
 
@@ -153,7 +154,8 @@ def test_container_definition_runs_the_documented_engine():
 
 def deps_only_venv() -> Path:
     """A venv with the env files' pins and Snakemake, without tokenmill: made once per set of
-    pins in ~/.cache/tokenmill (pip's index and wheel folders as configured on the machine)."""
+    pins in ~/.cache/tokenmill, by uv with pip's index and wheel folders as configured on the
+    machine (tests/uv_pip.py)."""
     reqs = sorted({f"{n}{s}" for env in GROUPS.values() for n, s in env_pins(env).items()})
     reqs.append(f"snakemake{pyproject_pins()['snakemake']}")
     key = hashlib.sha256("\n".join(reqs).encode()).hexdigest()[:12]
@@ -162,14 +164,8 @@ def deps_only_venv() -> Path:
     marker = venv / ".complete"
     if not marker.exists():
         shutil.rmtree(venv, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = subprocess.run(
-            [str(venv / "bin/pip"), "install", "-q", *reqs],
-            capture_output=True,
-            text=True,
-            timeout=1200,
-        )
-        assert pip.returncode == 0, pip.stderr[-4000:]
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        uv_pip.install(venv, *reqs)
         marker.touch()
     return venv
 

@@ -13,9 +13,9 @@ PY="${TOKENMILL_SPECFORGE_BASE_PYTHON:-python3.11}"
 # shellcheck source=../cached_venv.sh
 source "$(dirname "$0")/../cached_venv.sh"
 venv_begin
-step "$VENV/bin/pip" install torch==2.13.0 numpy==2.4.6 \
+install torch==2.13.0 numpy==2.4.6 \
     transformers==5.8.1 datasets==5.2.0 tqdm==4.70.1 pydantic==2.14.4 safetensors==0.8.0
-step "$VENV/bin/pip" install --no-deps "specforge==$VERSION"
+install --no-deps "specforge==$VERSION"
 step "$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 step "$VENV/bin/python" -W ignore -c "
 import specforge.data.prompt_builder, specforge.data.preprocessing

