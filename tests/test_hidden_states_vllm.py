@@ -7,10 +7,8 @@ of the vLLM one's last layer; no engine file or lock is left."""
 
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
-
 import pytest
+from helpers import VLLM_CPU_ARGS, vllm_cpu_env, vllm_python
 from test_hidden_states import (  # noqa: F401 - model8 is a fixture
     check_against_hf,
     make_dataset,
@@ -23,37 +21,13 @@ from tokenmill.hidden_states import job
 
 pytestmark = [pytest.mark.engines, pytest.mark.slow, pytest.mark.timeout(1500)]
 
-REPO = Path(__file__).resolve().parent.parent
-CACHE = Path.home() / ".cache" / "tokenmill"
-
-
-def vllm_python() -> str:
-    p = subprocess.run(
-        ["bash", str(REPO / "tests" / "vllm" / "ensure_venv.sh")],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    return p.stdout.strip().splitlines()[-1]
-
 
 def test_vllm_managed_equals_hugging_face(model8, tmp_path):  # noqa: F811
     rows = make_dataset(tmp_path / "000.parquet", 12, seed=7)
     launch = {
-        "command": [vllm_python(), "-m", "vllm.entrypoints.openai.api_server"]
-        + ["--model", "{model}", "--host", "{host}", "--port", "{port}"]
-        + ["--dtype", "float32", "--max-model-len", "2048"]
-        # no torch.compile: a start takes 108 s instead of 163 s on a loaded 2-core machine
-        + ["--enforce-eager"],
+        "command": [vllm_python(), *VLLM_CPU_ARGS],
         "startup_timeout_s": 900,
-        "env": {
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "auto",
-            "VLLM_NO_USAGE_STATS": "1",
-            "VLLM_CACHE_ROOT": str(CACHE / "vllm-compile-cache"),
-        },
+        "env": vllm_cpu_env(),
     }
     config = stage_config(model8, backend="vllm", launch=launch, max_batch_rows=4)
     out = tmp_path / "out"
