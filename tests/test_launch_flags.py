@@ -15,22 +15,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from helpers import BIN, ROOT, copy_workflow, failed, snakemake
 
 from tokenmill import keys, launch_flags
 from tokenmill.contracts import canonical_json
 from tokenmill.settings import load_section
-
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 
 BASE = ["{python}", "-m", "tokenmill", "serve-reference", "--model-path", "{model}"]
 
@@ -143,14 +137,6 @@ def test_docs_show_the_table():
 # ------------------------------------------------------------------ end to end (the demo)
 
 
-def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", HF_HUB_OFFLINE="1")
-    return subprocess.run(
-        [str(BIN / "snakemake"), "--profile", "profiles/local", "--cores", "2", *args],
-        cwd=workdir, env=env, capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
-
-
 def planned_jobs(log: str) -> list[str]:
     return [
         line.strip()
@@ -162,12 +148,7 @@ def planned_jobs(log: str) -> list[str]:
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_operational_flags_rerun_nothing_and_a_dtype_change_says_what_it_costs(tmp_path):
-    wd = tmp_path / "wf"
-    wd.mkdir()
-    for name in ("Snakefile", "pyproject.toml"):
-        shutil.copy2(ROOT / name, wd / name)
-    for name in ("workflow", "sample", "profiles"):
-        shutil.copytree(ROOT / name, wd / name, ignore=shutil.ignore_patterns("__pycache__"))
+    wd = copy_workflow(tmp_path / "wf")
     config = yaml.safe_load((ROOT / "config.yaml").read_text())
     # One category is enough to see what a flag costs: the other four would only repeat it.
     config["categories"] = {"code": config["categories"]["code"]}
@@ -175,7 +156,7 @@ def test_operational_flags_rerun_nothing_and_a_dtype_change_says_what_it_costs(t
     command += ["--dtype", "float16"]
     (wd / "config.yaml").write_text(yaml.safe_dump(config))
     run = snakemake(wd)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
+    assert run.returncode == 0, failed(run)
 
     # Debug logging and smaller batches after an out-of-memory kill: nothing to do.
     command += ["--log-requests", "--mem-fraction-static", "0.8", "--max-running-requests",
@@ -188,7 +169,7 @@ def test_operational_flags_rerun_nothing_and_a_dtype_change_says_what_it_costs(t
     # A forced rerun of one shard's generate job with these flags sends nothing.
     target = "results/generated/code/000.parquet"
     forced = snakemake(wd, "--configfile", "ops.yaml", "--force", target)
-    assert forced.returncode == 0, forced.stdout[-4000:] + forced.stderr[-8000:]
+    assert forced.returncode == 0, failed(forced)
     meta = json.loads((wd / "results/generated/code/000.meta.json").read_text())
     assert meta["counts"]["requested"] == 0, meta["counts"]
     assert "fingerprint_change" not in meta
@@ -211,7 +192,7 @@ def test_operational_flags_rerun_nothing_and_a_dtype_change_says_what_it_costs(t
     dry = snakemake(wd, "-n", "--configfile", "dtype.yaml")
     assert "rule generate_shard:" in dry.stdout + dry.stderr
     run = snakemake(wd, target, "--configfile", "dtype.yaml")
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
+    assert run.returncode == 0, failed(run)
     log = (wd / "results/logs/generate/code/000/generate.log").read_text()
     assert said in log, log[-3000:]
     meta = json.loads((wd / "results/generated/code/000.meta.json").read_text())

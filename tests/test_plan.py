@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import fake_sglang
+import helpers
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
@@ -22,12 +23,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def snakemake(workdir: Path, *args: str) -> None:
-    proc = subprocess.run(
-        [str(BIN / "snakemake"), "--profile", "profiles/local", "--cores", "2",
-         "--configfile", "plan.yaml", *args],
-        cwd=workdir, env=tool_env(), capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = helpers.snakemake(workdir, "--configfile", "plan.yaml", *args)
+    assert proc.returncode == 0, helpers.failed(proc)
 
 
 def plan(workdir: Path, *args: str, config: str = "plan.yaml", rc: int = 0):
