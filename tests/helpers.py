@@ -64,17 +64,13 @@ def failed(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout[-4000:] + proc.stderr[-8000:]
 
 
-# vLLM on CPU as the suites and the hidden-states benchmark start it (docs/engines.md, "vLLM on
-# CPU"), in the venv of tests/vllm/ensure_venv.sh. In one process: the engine core inside the API
-# server (VLLM_ENABLE_V1_MULTIPROCESSING=0) and the model inside the engine core
-# (--distributed-executor-backend uni). vLLM's default is three processes that each import torch
-# and vLLM: a start took 43 s and 54 CPU-s here, one process 19 s and 19 CPU-s. No torch.compile
-# (--enforce-eager): a start took 108 s instead of 163 s on a loaded 2-core machine.
+# vLLM on CPU as the suites start it (docs/engines.md, "vLLM on CPU"), in the venv of
+# tests/vllm/ensure_venv.sh. No torch.compile (--enforce-eager): a start took 108 s instead of
+# 163 s on a loaded 2-core machine.
 VLLM_CPU_ARGS = [
     "-m", "vllm.entrypoints.openai.api_server",
     "--model", "{model}", "--host", "{host}", "--port", "{port}",
     "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
-    "--distributed-executor-backend", "uni",
 ]  # fmt: skip
 
 
@@ -85,7 +81,6 @@ def vllm_cpu_env() -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "auto",
         "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CACHE_ROOT": str(cache / "vllm-compile-cache"),
     }
 

@@ -37,7 +37,7 @@ SESSIONS: dict[str, tuple[list[str], dict[str, str]]] = {
     "slurm-2node": ([SLURM_2], {"TOKENMILL_SLURM_NODES": "2"}),
     "main": (
         ["-m", "not slurm", f"--ignore={SLURM_1}", f"--ignore={SLURM_2}"]
-        + ["-n", "2", "--dist", "loadfile", "--no-loadscope-reorder"],  # conftest's order
+        + ["-n", "3", "--dist", "loadfile", "--no-loadscope-reorder"],  # conftest's order
         {},
     ),
 }
