@@ -33,7 +33,7 @@ check: lint
 
 # The whole test suite: lint, what the suites need from apt, then three pytest sessions at
 # once (tests/run_sessions.py): the single-node SLURM module, the two-node SLURM module (each on
-# its own real cluster; both mostly wait on SLURM) and everything else on two xdist workers.
+# its own real cluster; both mostly wait on SLURM) and everything else on three xdist workers.
 # Each session's log is printed when it ends; the exit status says whether any failed.
 # Without root the SLURM modules skip, and under CI=true they fail.
 test: lint test-deps

@@ -147,7 +147,7 @@ def reproduced_run(demo_workdir, tmp_path_factory) -> dict:
 
 
 # The slowest modules first, longest first (measured: `python tests/run_sessions.py` prints
-# the durations): `make test` runs the main session on two xdist workers, whole modules each, in
+# the durations): `make test` runs the main session on three xdist workers, whole modules each, in
 # this order (--no-loadscope-reorder), so the long ones start early and run side by side instead
 # of one of them ending the run alone. test_workflow first: it makes the shared demo run.
 SLOW_MODULES_FIRST = (
