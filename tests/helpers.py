@@ -64,6 +64,10 @@ def failed(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout[-4000:] + proc.stderr[-8000:]
 
 
+# Where the suites keep what they make once per machine (the test venvs, vLLM's compile cache).
+TEST_CACHE = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
+
+
 # vLLM on CPU as the suites start it (docs/engines.md, "vLLM on CPU"), in the venv of
 # tests/vllm/ensure_venv.sh. No torch.compile (--enforce-eager): a start took 108 s instead of
 # 163 s on a loaded 2-core machine.
@@ -75,13 +79,12 @@ VLLM_CPU_ARGS = [
 
 
 def vllm_cpu_env() -> dict[str, str]:
-    cache = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
     return {
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "auto",
         "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_CACHE_ROOT": str(cache / "vllm-compile-cache"),
+        "VLLM_CACHE_ROOT": str(TEST_CACHE / "vllm-compile-cache"),
     }
 
 

@@ -33,7 +33,7 @@ README_COMMANDS = "tests/test_readme_commands.py"  # its SLURM test runs on the 
 # name: (pytest arguments, environment). The main session runs on three pytest-xdist workers,
 # whole modules each (module fixtures and the order inside a module stay as they are): three on
 # two CPUs, because its tests also wait (engine starts, kills, locks, the shared demo run) and a
-# third worker uses those waits (measured at d4fa889: 19.6 min and 1.3 idle CPU-minutes, against
+# third worker uses those waits (measured at d7aa0cc: 19.6 min and 1.3 idle CPU-minutes, against
 # 21.5 and 5.3 with two).
 SESSIONS: dict[str, tuple[list[str], dict[str, str]]] = {
     "slurm-1node": (["-m", "slurm", SLURM_1, README_COMMANDS], {}),

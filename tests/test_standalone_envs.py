@@ -21,7 +21,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -32,7 +31,7 @@ from pathlib import Path
 import pytest
 import uv_pip
 import yaml
-from helpers import ROOT
+from helpers import ROOT, TEST_CACHE
 
 import tokenmill
 
@@ -159,8 +158,7 @@ def deps_only_venv() -> Path:
     reqs = sorted({f"{n}{s}" for env in GROUPS.values() for n, s in env_pins(env).items()})
     reqs.append(f"snakemake{pyproject_pins()['snakemake']}")
     key = hashlib.sha256("\n".join(reqs).encode()).hexdigest()[:12]
-    cache = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
-    venv = cache / f"venv-envs-{key}"
+    venv = TEST_CACHE / f"venv-envs-{key}"
     marker = venv / ".complete"
     if not marker.exists():
         shutil.rmtree(venv, ignore_errors=True)
