@@ -21,11 +21,9 @@ include: "workflow/rules/prepare.smk"
 include: "workflow/rules/tokenize.smk"
 include: "workflow/rules/generate.smk"
 include: "workflow/rules/dataset.smk"
-
-
-if SETTINGS.hidden_states.enabled:
-
-    include: "workflow/rules/hidden_states.smk"
+# Always included (its jobs run only when hidden_states.enabled puts them in `rule all`), so
+# that `snakemake --lint` sees its rules too.
+include: "workflow/rules/hidden_states.smk"
 
 
 localrules:
@@ -41,15 +39,22 @@ rule all:
         final_outputs(),
 
 
-# One short summary at the end of every run, whatever its targets: kept, rejected by reason,
-# truncated, where the outputs and the report are; after a failure, the guard message first.
+# The controller only (never in jobs, dry runs or --report): before the first job, files the
+# config no longer declares leave the published folders (tokenmill/retire.py), a machine without
+# SLURM's commands gets one sentence, and on SLURM the preemption watchdog starts. At the end,
+# one short summary whatever the targets: kept, rejected by reason, truncated, what was
+# retired, where the outputs and the report are; after a failure, each failed job's cause first.
 if not (workflow.remote_exec or workflow.subprocess_exec):
     from tokenmill import run_summary
 
     RUN_STARTED = run_summary.started()
+    RETIRED = []
+
+    onstart:
+        RETIRED.extend(support.on_start(workflow, LAYOUT, SETTINGS))
 
     onsuccess:
-        run_summary.print_summary(RESULTS, CATEGORIES, ok=True, since=RUN_STARTED)
+        run_summary.print_summary(LAYOUT, SETTINGS, True, RUN_STARTED, RETIRED)
 
     onerror:
-        run_summary.print_summary(RESULTS, CATEGORIES, ok=False, since=RUN_STARTED)
+        run_summary.print_summary(LAYOUT, SETTINGS, False, RUN_STARTED, RETIRED)

@@ -153,6 +153,7 @@ def reproduced_run(demo_workdir, tmp_path_factory) -> dict:
 SLOW_MODULES_FIRST = (
     "test_workflow.py",
     "test_engines_real.py",
+    "test_declared_run.py",
     "test_standalone_envs.py",
     "test_multiturn.py",
     "test_trainer_loaders.py",

@@ -609,8 +609,11 @@ def test_stats_draft_row_is_the_written_mappings_coverage(tmp_path):
     s = dv.write_mapping(mapping, counts, 3, [1], 8, ["speculators"],
                          by_category={"chat": counts})  # fmt: skip
     assert s["draft_coverage"] == pytest.approx(91 / 141)
+    from tokenmill.layout import Layout
+
+    lay = Layout(str(results), "journal")
     cats, overall = {"chat": {}}, {}
-    stats._token_coverage(results, cats, overall, 3)
+    stats._token_coverage(lay, cats, overall, 3)
     for scope in (cats["chat"], overall):
         (row,) = [r for r in scope["token_coverage"]["top_n"] if r.get("draft")]
         assert row["share"] == round(s["draft_coverage"], 6) and row["mapping"]
@@ -619,7 +622,7 @@ def test_stats_draft_row_is_the_written_mappings_coverage(tmp_path):
     assert f"{120 / 141:.2%}" not in md  # the top-3 share is not shown as the draft's
     # A mapping of another size (a stale file) is not taken for this one.
     cats, overall = {"chat": {}}, {}
-    stats._token_coverage(results, cats, overall, 4)
+    stats._token_coverage(lay, cats, overall, 4)
     (row,) = [r for r in overall["token_coverage"]["top_n"] if r.get("draft")]
     assert "mapping" not in row
 

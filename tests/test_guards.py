@@ -194,6 +194,17 @@ def test_merge_over_its_share_of_truncated_outputs_fails_the_run(demo_workdir, t
     assert not (workdir / target).exists()
 
 
+def _summary_settings(results, categories):
+    """The layout and settings of a config declaring `categories` (one shard each)."""
+    from tokenmill.layout import Layout
+    from tokenmill.settings import Settings
+
+    cats = {c: {"sources": ["d.jsonl"], "format": "messages", "shards": 1} for c in categories}
+    config = {"tokenizer": {"path": "t"}, "categories": cats, "results_dir": str(results)}
+    settings = Settings.from_config(config)
+    return Layout.of(settings), settings
+
+
 def test_summary_of_a_partial_results_folder(tmp_path):
     res = tmp_path / "results"
     (res / "rejected" / "merge" / "c").mkdir(parents=True)
@@ -201,13 +212,14 @@ def test_summary_of_a_partial_results_folder(tmp_path):
     _rejected_file(res / "rejected" / "merge" / "c" / "000.parquet", rows)
     (res / "logs").mkdir()
     (res / "logs" / "x.log").write_text(f"noise\n{guards.GUARD_PREFIX} category 'c', stage x\n")
-    lines = run_summary.summary_lines(res, ["c", "d"], ok=False)
+    lay, two = _summary_settings(res, ["c", "d"])
+    lines = run_summary.summary_lines(lay, two, ok=False)
     text = "\n".join(lines)
     assert lines[0] == f"{guards.GUARD_PREFIX} category 'c', stage x"
     assert "c: stopped by its guard (above), 3 rejected (merge truncated 3); 3 truncated" in text
     assert "d: not merged yet, 0 rejected" in text
     shutil.rmtree(res / "logs")
-    lines = run_summary.summary_lines(res, ["c"], ok=True)
+    lines = run_summary.summary_lines(*_summary_settings(res, ["c"]), ok=True)
     text = "\n".join(lines)
     assert lines[0] == "tokenmill: run finished; per category:"
     assert "c: not merged yet, 3 rejected (merge truncated 3); 3 truncated" in text

@@ -44,6 +44,7 @@ GROUPS = {
     "tokenize": "tokenize",
     "generate": "generate",
     "dataset": "dataset",
+    "hidden_states": "hidden_states",
 }
 # package folder -> rule group (the folders the group's commands import)
 STAGE_DIRS = {
@@ -51,9 +52,12 @@ STAGE_DIRS = {
     "tokenize": ["tokenization"],
     "generate": ["generate"],
     "dataset": ["dataset", "provenance"],
+    "hidden_states": ["hidden_states"],
 }
 SHARED = ["cli.py", "config.py", "settings.py", "contracts.py", "keys.py", "model.py"]
-SHARED += ["redaction.py", "launch_flags.py", "workflow_support.py"]
+SHARED += ["redaction.py", "launch_flags.py", "workflow_support.py", "layout.py"]
+# Loaded inside the vLLM server's own process (its environment brings vLLM), not by a rule.
+SERVER_SIDE = {"vllm_connector.py"}
 # import name -> the distributions that provide it (directly, or as their dependency)
 PROVIDERS = {
     "pyarrow": {"pyarrow"},
@@ -67,6 +71,7 @@ PROVIDERS = {
     "matplotlib": {"matplotlib"},
     "torch": {"torch"},
     "numpy": {"datasets", "transformers", "matplotlib", "torch"},
+    "safetensors": {"transformers"},
 }
 
 
@@ -123,6 +128,8 @@ def imports_of(paths: list[Path]) -> set[str]:
     found = set()
     for path in paths:
         for f in [path] if path.is_file() else path.rglob("*.py"):
+            if f.name in SERVER_SIDE:
+                continue
             for node in ast.walk(ast.parse(f.read_text())):
                 if isinstance(node, ast.Import):
                     found |= {a.name.split(".")[0] for a in node.names}

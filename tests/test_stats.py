@@ -19,7 +19,7 @@ from test_merge import (
 )
 
 from tokenmill import contracts
-from tokenmill.dataset import card, draft_vocab, export, merge, stats
+from tokenmill.dataset import card, draft_vocab, export, merge, stats, validate
 
 CONFIG = {
     "results_dir": "results",
@@ -29,7 +29,12 @@ CONFIG = {
         "code": {"sources": ["data/code.jsonl"], "format": "instruction", "shards": 1},
     },
     "generation": GEN_CFG,
-    "dataset": {"max_sequence_tokens": 12, "think_end_token": "</think>", "draft_vocab_size": 3},
+    "dataset": {
+        "max_sequence_tokens": 12,
+        "think_end_token": "</think>",
+        "draft_vocab_size": 3,
+        "draft_vocab_formats": ["speculators"],  # no torch needed for vocab_mapping.pt
+    },
 }
 
 
@@ -64,6 +69,8 @@ def build_results(root: Path) -> Path:
     )
     _prompts(r / "prompts" / "code.parquet", ["x"], rejected=0)
     _rejected(r / "rejected" / "prepare" / "code.parquet", "prepare", "code", [])
+    for cat in ("chat", "code"):
+        _rejected(r / "rejected" / "tokenize" / f"{cat}.parquet", "tokenize", cat, [])
     shards = {
         ("chat", "000"): (
             {"a": [5, 6, 3], "b": [7, 3]},
@@ -136,6 +143,18 @@ def build_results(root: Path) -> Path:
         ["speculators"],
         by_category={c: draft_vocab.read_counts(counts / f"{c}.parquet") for c in ("chat", "code")},
     )
+    # The token facts, statistics and card, as the pipeline ends: every declared file exists.
+    facts = validate.TokenFacts(
+        vocab_size=rules().vocab_size, stop_ids=(2, 1), think_start_id=None, think_end_id=4,
+        resolved_from=validate.facts_source(CONFIG["dataset"], GEN_CFG),
+    )  # fmt: skip
+    validate.write_token_facts(r / "tokenizer" / "token_facts.json", facts, "tokfp-123")
+    config = json.dumps(CONFIG)
+    assert stats.main(["--results-dir", str(r), "--config-json", config,
+                       "--out-dir", str(r / "stats")]) == 0  # fmt: skip
+    assert card.main(["--results-dir", str(r), "--config-json", config,
+                      "--stats", str(r / "stats" / "summary.json"),
+                      "--out", str(r / "dataset" / "README.md")]) == 0  # fmt: skip
     return r
 
 

@@ -22,6 +22,7 @@ for _var, _dirs in (
     if _have[: len(_dirs)] != _dirs:
         os.environ[_var] = os.pathsep.join([*_dirs, *filter(None, _have)])
 
+from tokenmill import layout
 from tokenmill import workflow_support as support
 from tokenmill.config import (
     ConfigError,
@@ -34,7 +35,6 @@ from tokenmill.generate import preemption
 from tokenmill.generate.resources import job_resources
 from tokenmill.keys import generation_fingerprint
 from tokenmill.settings import Settings
-from tokenmill.tokenization.shards import shard_names
 
 # A bad config fails here, before any job starts, with the offending key named: one validation
 # against workflow/schemas/config.schema.yaml (defaults filled in), then the semantic checks.
@@ -61,8 +61,11 @@ if not (workflow.remote_exec or workflow.subprocess_exec):
     if _lock_hint:
         print(_lock_hint, file=sys.stderr)
 
-RESULTS = SETTINGS.results_dir
-CATEGORIES = sorted(SETTINGS.categories)
+# Every path of the run comes from the layout module (tokenmill/layout.py), and every
+# aggregate's inputs from the categories and shards the config declares: nothing is globbed.
+LAYOUT = layout.Layout.of(SETTINGS)
+DECLARED = layout.declared(SETTINGS)
+CATEGORIES = list(DECLARED)
 TOKENIZER_FINGERPRINT = support.tokenizer_params_fingerprint(SETTINGS.tokenizer, ".")
 GENERATION_FINGERPRINT = generation_fingerprint(SETTINGS.generation)
 if SETTINGS.reproduce:
@@ -74,22 +77,11 @@ if SETTINGS.reproduce:
         raise WorkflowError(
             f"cannot reproduce {SETTINGS.reproduce}:\n  " + "\n  ".join(_problems)
         )
-# Histograms written by `tokenmill stats` (stats/length_{metric}_tokens.png).
-LENGTH_METRICS = ["prompt", "output", "reasoning", "answer", "total"]
 
 
 wildcard_constraints:
     category="|".join(re.escape(c) for c in CATEGORIES),
     shard=r"\d+",
-
-
-def res(path):
-    """A path under the results directory."""
-    return os.path.join(RESULTS, path)
-
-
-def shards_of(category):
-    return shard_names(SETTINGS.categories[category].shards)
 
 
 def category_source_files(wildcards):
@@ -146,7 +138,7 @@ def think_end_token(wildcards):
 def tokenized_shard(wildcards):
     """A tokenized shard; waits for the category's tokenize checkpoint."""
     checkpoints.tokenize_prompts.get(category=wildcards.category)
-    return res(f"tokenized/{wildcards.category}/{wildcards.shard}.parquet")
+    return LAYOUT.tokenized(wildcards.category, wildcards.shard)
 
 
 def dataset_shard(wildcards):
@@ -154,7 +146,7 @@ def dataset_shard(wildcards):
     tokenize has run, so an export whose shard did not change is dropped from the plan.
     """
     checkpoints.tokenize_prompts.get(category=wildcards.category)
-    return res(f"dataset/{wildcards.category}/{wildcards.shard}.parquet")
+    return LAYOUT.dataset(wildcards.category, wildcards.shard)
 
 
 def generate_resource(name):
@@ -166,64 +158,44 @@ def generate_resource(name):
     return value
 
 
-def all_shard_files(pattern):
-    return [
-        res(pattern.format(category=c, shard=s))
-        for c in CATEGORIES
-        for s in shards_of(c)
-    ]
+def each_shard(path_of):
+    """path_of(category, shard) for every declared shard, categories then shards in order."""
+    return [path_of(c, s) for c, shards in DECLARED.items() for s in shards]
 
 
 def category_counts_files(wildcards):
     """The shard counts files of one category (merge writes them)."""
     return [
-        res(f"token_counts/{wildcards.category}/{s}.parquet")
-        for s in shards_of(wildcards.category)
+        LAYOUT.shard_counts(wildcards.category, s) for s in DECLARED[wildcards.category]
     ]
 
 
 def category_counts_sums():
-    return [res(f"token_counts/{c}.parquet") for c in CATEGORIES]
+    return [LAYOUT.category_counts(c) for c in CATEGORIES]
 
 
 def draft_vocab_files():
     """The trainers' files of the draft vocabulary, by dataset.draft_vocab_formats."""
-    from tokenmill.dataset import draft_vocab as dv
-
     ds = SETTINGS.dataset
     if ds.draft_vocab_size is None:
         return []
-    return [
-        res(f"dataset/{dv.MAPPING_DIR}/{n}")
-        for f in ds.draft_vocab_formats
-        for n in dv.format_files(f, ds.draft_vocab_size)
-    ]
+    return LAYOUT.vocab_mapping_files(ds.draft_vocab_formats, ds.draft_vocab_size)
 
 
 def draft_vocab_summary():
     """[vocab_mapping.json] when dataset.draft_vocab_size is set, else []."""
     if SETTINGS.dataset.draft_vocab_size is None:
         return []
-    return [res("dataset/vocab_mapping/vocab_mapping.json")]
+    return [LAYOUT.vocab_mapping_summary()]
 
 
 def final_outputs():
-    outputs = all_shard_files("dataset/{category}/{shard}.parquet")
-    outputs += all_shard_files("token_counts/{category}/{shard}.parquet")
-    outputs += category_counts_sums() + [res("token_counts/_all.parquet")]
-    if SETTINGS.dataset.draft_vocab_size is not None:
-        outputs += draft_vocab_summary() + draft_vocab_files()
-    if SETTINGS.dataset.export_jsonl:
-        outputs += all_shard_files("export/{category}/{shard}.jsonl")
-    if SETTINGS.hidden_states.enabled:
-        outputs += all_shard_files("hidden_states/{category}/{shard}/manifest.json")
-    outputs += [
-        res("stats/summary.json"),
-        res("dataset/README.md"),
-        res("provenance.json"),
-    ]
+    """The default target: every file the config declares (layout.published_files),
+    then the provenance and, when reproducing, the comparison with the manifest."""
+    outputs = layout.published_files(LAYOUT, SETTINGS, tokenized_dirs=True)
+    outputs += [LAYOUT.provenance()]
     if SETTINGS.reproduce:
-        outputs.append(res("reproduce/report.json"))
+        outputs.append(LAYOUT.reproduce_report())
     return outputs
 
 
@@ -247,17 +219,17 @@ def hidden_states_model(wildcards=None):
 
 
 def hidden_states_dir(wildcards):
-    return res(f"hidden_states/{wildcards.category}/{wildcards.shard}")
+    return LAYOUT.hidden_states_dir(wildcards.category, wildcards.shard)
 
 
 def hidden_states_log_dir(wildcards):
-    """The hidden_states job's engine log folder (backend vllm)."""
-    return res(f"logs/hidden_states/{wildcards.category}/{wildcards.shard}")
+    """The hidden_states job's log folder (every attempt, the engine's log)."""
+    return LAYOUT.job_log_dir("hidden_states", wildcards.category, wildcards.shard)
 
 
 def generate_log_dir(wildcards):
-    """The generate job's log folder (client log, engine log)."""
-    return res(f"logs/generate/{wildcards.category}/{wildcards.shard}")
+    """The generate job's log folder (every attempt, the engine's log)."""
+    return LAYOUT.job_log_dir("generate", wildcards.category, wildcards.shard)
 
 
 def outputs_config_json(wildcards=None):
@@ -265,13 +237,20 @@ def outputs_config_json(wildcards=None):
     return json.dumps(outputs_config(SETTINGS), sort_keys=True)
 
 
-def final_outputs_except_provenance(wildcards=None):
-    return [
-        p
-        for p in final_outputs()
-        if p not in (res("provenance.json"), res("reproduce/report.json"))
-    ]
+def provenance_inputs(wildcards=None):
+    """What the provenance lists: every declared file."""
+    return layout.published_files(LAYOUT, SETTINGS, tokenized_dirs=True)
+
+
+def stats_inputs(wildcards=None):
+    """What `tokenmill stats` reads (it finds the same files through the layout module)."""
+    return layout.stats_inputs(LAYOUT, SETTINGS)
+
+
+def card_inputs(wildcards=None):
+    """What `tokenmill card` reads: the dataset shards and the draft vocabulary's summary."""
+    return each_shard(LAYOUT.dataset) + draft_vocab_summary()
 
 
 def results_dir(wildcards=None):
-    return RESULTS
+    return LAYOUT.results

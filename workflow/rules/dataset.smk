@@ -2,9 +2,9 @@
 # think ids), resolved once per run where the tokenizer is loaded: their jobs load none.
 rule token_facts:
     output:
-        facts=res("tokenizer/token_facts.json"),
+        facts=LAYOUT.token_facts(),
     log:
-        res("logs/token_facts.log"),
+        LAYOUT.log("token_facts"),
     conda:
         "../envs/dataset.yaml"
     # What the facts depend on; the sections themselves come from the environment (common.smk).
@@ -22,18 +22,18 @@ rule token_facts:
 rule merge_shard:
     input:
         tokenized=tokenized_shard,
-        generated=res("generated/{category}/{shard}.parquet"),
-        generate_rejected=res("rejected/generate/{category}/{shard}.parquet"),
-        token_facts=res("tokenizer/token_facts.json"),
+        generated=LAYOUT.generated("{category}", "{shard}"),
+        generate_rejected=LAYOUT.rejected("generate", "{category}", "{shard}"),
+        token_facts=LAYOUT.token_facts(),
     output:
-        dataset=res("dataset/{category}/{shard}.parquet"),
-        rejected=res("rejected/merge/{category}/{shard}.parquet"),
+        dataset=LAYOUT.dataset("{category}", "{shard}"),
+        rejected=LAYOUT.rejected("merge", "{category}", "{shard}"),
         # loss-token counts of the shard, from the same pass (the draft vocabulary's input)
-        counts=res("token_counts/{category}/{shard}.parquet"),
+        counts=LAYOUT.shard_counts("{category}", "{shard}"),
     log:
-        res("logs/merge/{category}/{shard}.log"),
+        LAYOUT.log("merge", "{category}", "{shard}"),
     benchmark:
-        res("benchmarks/merge/{category}/{shard}.tsv")
+        LAYOUT.benchmark("merge", "{category}", "{shard}")
     conda:
         "../envs/dataset.yaml"
     # The generation section comes from the environment (see common.smk); its fingerprint is
@@ -55,9 +55,9 @@ rule export_jsonl:
     input:
         dataset=dataset_shard,
     output:
-        jsonl=res("export/{category}/{shard}.jsonl"),
+        jsonl=LAYOUT.export("{category}", "{shard}"),
     log:
-        res("logs/export/{category}/{shard}.log"),
+        LAYOUT.log("export", "{category}", "{shard}"),
     conda:
         "../envs/dataset.yaml"
     shell:
@@ -68,9 +68,9 @@ rule sum_token_counts:
     input:
         counts=category_counts_files,
     output:
-        counts=res("token_counts/{category}.parquet"),
+        counts=LAYOUT.category_counts("{category}"),
     log:
-        res("logs/token_counts/{category}.log"),
+        LAYOUT.log("token_counts", "{category}"),
     conda:
         "../envs/dataset.yaml"
     shell:
@@ -82,9 +82,9 @@ rule sum_all_token_counts:
     input:
         counts=category_counts_sums(),
     output:
-        counts=res("token_counts/_all.parquet"),
+        counts=LAYOUT.all_counts(),
     log:
-        res("logs/token_counts/_all.log"),
+        LAYOUT.log("token_counts", "_all"),
     conda:
         "../envs/dataset.yaml"
     shell:
@@ -97,12 +97,12 @@ rule sum_all_token_counts:
 rule draft_vocab:
     input:
         counts=category_counts_sums(),
-        token_facts=res("tokenizer/token_facts.json"),
+        token_facts=LAYOUT.token_facts(),
     output:
-        summary=res("dataset/vocab_mapping/vocab_mapping.json"),
+        summary=LAYOUT.vocab_mapping_summary(),
         files=draft_vocab_files(),
     log:
-        res("logs/draft_vocab.log"),
+        LAYOUT.log("draft_vocab"),
     conda:
         "../envs/dataset.yaml"
     # The stop tokens and the model (the always-included ids, the target vocabulary) are in the
@@ -119,36 +119,33 @@ rule draft_vocab:
 
 rule summarize_stats:
     input:
-        dataset=all_shard_files("dataset/{category}/{shard}.parquet"),
-        meta=all_shard_files("generated/{category}/{shard}.meta.json"),
-        merge_rejected=all_shard_files("rejected/merge/{category}/{shard}.parquet"),
-        token_counts=category_counts_sums() + [res("token_counts/_all.parquet")],
-        # the draft row of the coverage table is the written mapping's coverage
-        vocab_mapping=draft_vocab_summary(),
-        token_facts=res("tokenizer/token_facts.json"),
+        # every declared file it reads (tokenmill stats finds them through the layout module;
+        # the draft row of the coverage table is the written mapping's coverage)
+        declared=stats_inputs,
+        token_facts=LAYOUT.token_facts(),
     output:
         summary=report(
-            res("stats/summary.json"),
+            LAYOUT.stats_summary(),
             caption="../report/summary.rst",
             category="Dataset statistics",
         ),
         table=report(
-            res("stats/summary.md"),
+            LAYOUT.stats_table(),
             caption="../report/summary_table.rst",
             category="Dataset statistics",
         ),
         plots=report(
-            expand(res("stats/length_{metric}_tokens.png"), metric=LENGTH_METRICS),
+            [LAYOUT.length_plot(m) for m in layout.LENGTH_METRICS],
             caption="../report/plots.rst",
             category="Length distributions",
         ),
         coverage=report(
-            res("stats/token_coverage.png"),
+            LAYOUT.coverage_plot(),
             caption="../report/token_coverage.rst",
             category="Token frequencies",
         ),
     log:
-        res("logs/stats.log"),
+        LAYOUT.log("stats"),
     conda:
         "../envs/dataset.yaml"
     # params.config (the config without operational settings) is the rerun trigger; the
@@ -164,13 +161,12 @@ rule summarize_stats:
 
 rule write_dataset_card:
     input:
-        stats=res("stats/summary.json"),
-        dataset=all_shard_files("dataset/{category}/{shard}.parquet"),
-        vocab_mapping=draft_vocab_summary(),
+        stats=LAYOUT.stats_summary(),
+        declared=card_inputs,
     output:
-        card=res("dataset/README.md"),
+        card=LAYOUT.card(),
     log:
-        res("logs/card.log"),
+        LAYOUT.log("card"),
     conda:
         "../envs/dataset.yaml"
     params:
@@ -183,13 +179,13 @@ rule write_dataset_card:
 
 rule write_provenance:
     input:
-        final_outputs_except_provenance,
+        provenance_inputs,
     output:
-        provenance=res("provenance.json"),
+        provenance=LAYOUT.provenance(),
         # the dataset folder's own manifest: the folder one publishes stands alone
-        dataset=res("dataset/provenance.json"),
+        dataset=LAYOUT.dataset_provenance(),
     log:
-        res("logs/provenance.log"),
+        LAYOUT.log("provenance"),
     conda:
         "../envs/dataset.yaml"
     # Which --configfile was given is not a rerun trigger either: the resolved config is.
@@ -204,11 +200,11 @@ rule write_provenance:
 
 rule compare_with_manifest:
     input:
-        provenance=res("provenance.json"),
+        provenance=LAYOUT.provenance(),
     output:
-        report=res("reproduce/report.json"),
+        report=LAYOUT.reproduce_report(),
     log:
-        res("logs/reproduce.log"),
+        LAYOUT.log("reproduce"),
     conda:
         "../envs/dataset.yaml"
     params:

@@ -4,17 +4,17 @@ rule generate_shard:
     input:
         tokenized=tokenized_shard,
     output:
-        generated=res("generated/{category}/{shard}.parquet"),
-        rejected=res("rejected/generate/{category}/{shard}.parquet"),
-        meta=res("generated/{category}/{shard}.meta.json"),
+        generated=LAYOUT.generated("{category}", "{shard}"),
+        rejected=LAYOUT.rejected("generate", "{category}", "{shard}"),
+        meta=LAYOUT.generate_record("{category}", "{shard}"),
     # Snakemake deletes a rule's log before each attempt: this one holds the current attempt's
     # output only (show-failed-logs prints it). generate.log next to it, which Snakemake does
     # not know, keeps every attempt's (appended, a header line each): a requeued or restarted
     # job, or one waiting for a live lock, never erases an earlier attempt's lines.
     log:
-        res("logs/generate/{category}/{shard}/attempt.log"),
+        LAYOUT.attempt_log("generate", "{category}", "{shard}"),
     benchmark:
-        res("benchmarks/generate/{category}/{shard}.tsv")
+        LAYOUT.benchmark("generate", "{category}", "{shard}")
     # tee ignores SIGTERM/SIGINT (SLURM signals every process of the job): it keeps copying
     # until generate itself has written its last line and exits.
     conda:
@@ -52,13 +52,3 @@ rule generate_shard:
         " --rejected {output.rejected:q} --meta {output.meta:q}"
         ' --journal-dir "$TOKENMILL_JOURNAL_DIR" --log-dir {params.log_dir:q} 2>&1'
         " | ( trap '' TERM INT; exec tee -a {params.log_dir:q}/generate.log ) > {log:q}"
-
-
-# The controller (slurm executor only; never in jobs or dry runs) requeues its jobs that a
-# PreemptMode=CANCEL preemption cancelled: plugin 2.8.0 would wait for them forever. Before
-# that, a machine without SLURM's commands gets one sentence instead of a traceback per job.
-onstart:
-    _slurm_problem = support.slurm_tools_problem(workflow)
-    if _slurm_problem:
-        raise WorkflowError(_slurm_problem)
-    preemption.start_for_workflow(workflow)

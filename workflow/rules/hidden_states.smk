@@ -5,11 +5,13 @@ rule extract_hidden_states:
     input:
         dataset=dataset_shard,
     output:
-        manifest=res("hidden_states/{category}/{shard}/manifest.json"),
+        manifest=LAYOUT.hidden_states_manifest("{category}", "{shard}"),
     log:
-        res("logs/hidden_states/{category}/{shard}.log"),
+        LAYOUT.log("hidden_states", "{category}", "{shard}"),
     benchmark:
-        res("benchmarks/hidden_states/{category}/{shard}.tsv")
+        LAYOUT.benchmark("hidden_states", "{category}", "{shard}")
+    conda:
+        "../envs/hidden_states.yaml"
     resources:
         gpu=hidden_states_resource("gpu"),
         gpu_model=hidden_states_resource("gpu_model"),

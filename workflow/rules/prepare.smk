@@ -2,12 +2,12 @@ rule prepare_prompts:
     input:
         sources=category_source_files,
     output:
-        prompts=res("prompts/{category}.parquet"),
-        rejected=res("rejected/prepare/{category}.parquet"),
+        prompts=LAYOUT.prompts("{category}"),
+        rejected=LAYOUT.rejected("prepare", "{category}"),
     log:
-        res("logs/prepare/{category}.log"),
+        LAYOUT.log("prepare", "{category}"),
     benchmark:
-        res("benchmarks/prepare/{category}.tsv")
+        LAYOUT.benchmark("prepare", "{category}")
     conda:
         "../envs/prepare.yaml"
     params:

@@ -3,14 +3,14 @@
 # profiles) Snakemake reruns only the downstream jobs of shards whose bytes changed.
 checkpoint tokenize_prompts:
     input:
-        prompts=res("prompts/{category}.parquet"),
+        prompts=LAYOUT.prompts("{category}"),
     output:
-        shards=directory(res("tokenized/{category}")),
-        rejected=res("rejected/tokenize/{category}.parquet"),
+        shards=directory(LAYOUT.tokenized_dir("{category}")),
+        rejected=LAYOUT.rejected("tokenize", "{category}"),
     log:
-        res("logs/tokenize/{category}.log"),
+        LAYOUT.log("tokenize", "{category}"),
     benchmark:
-        res("benchmarks/tokenize/{category}.tsv")
+        LAYOUT.benchmark("tokenize", "{category}")
     conda:
         "../envs/tokenize.yaml"
     threads: workflow.cores

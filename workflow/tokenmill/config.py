@@ -16,6 +16,7 @@ import re
 import sys
 from pathlib import Path
 
+from tokenmill import layout
 from tokenmill.keys import generation_fingerprint
 from tokenmill.prepare.hooks import load_hook
 from tokenmill.prepare.sources import SourceError, expand_paths
@@ -104,6 +105,11 @@ def check_semantics(config: Settings | dict, basedir: str | Path = ".") -> None:
     if tok.chat_template and not (base / tok.chat_template).is_file():
         problems.append(
             f"config key 'tokenizer.chat_template': file '{tok.chat_template}' does not exist"
+        )
+    for name in sorted(set(s.categories) & set(layout.RESERVED_CATEGORIES)):
+        problems.append(
+            f"config key 'categories.{name}': the name is reserved (the dataset folder and its "
+            "card use it); rename the category"
         )
     for name, cat in s.categories.items():
         specs = cat.source_specs()

@@ -19,39 +19,38 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from tokenmill import layout
 from tokenmill.guards import GUARD_PREFIX
 
-STAGES = ("prepare", "tokenize", "generate", "merge")
-REPORT = "report.html"
+STAGES = layout.STAGES
 
 
-def _category_of(stage: str, path: Path, rejected_dir: Path) -> str:
-    rel = path.relative_to(rejected_dir / stage)
-    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
-
-
-def rejections(results: Path, categories) -> dict[str, dict[str, Counter]]:
-    """{category: {stage: Counter(reason)}} from results/rejected/<stage>/..."""
-    out: dict[str, dict[str, Counter]] = {c: {} for c in categories}
-    rejected_dir = results / "rejected"
-    for stage in STAGES:
-        for f in sorted((rejected_dir / stage).rglob("*.parquet")):
-            cat = _category_of(stage, f, rejected_dir)
-            if cat not in out:
-                continue
-            try:
-                reasons = pq.read_table(f, columns=["reason"]).column(0).to_pylist()
-            except Exception:  # noqa: BLE001 - a file being written by a running job
-                continue
-            out[cat].setdefault(stage, Counter()).update(reasons)
+def rejections(lay: layout.Layout, declared) -> dict[str, dict[str, Counter]]:
+    """{category: {stage: Counter(reason)}} from the declared rejected files that exist."""
+    out: dict[str, dict[str, Counter]] = {}
+    for c, shards in declared.items():
+        out[c] = {}
+        for stage in STAGES:
+            per_shard = stage in layout.PER_SHARD_STAGES
+            paths = (
+                [lay.rejected(stage, c, s) for s in shards]
+                if per_shard
+                else [lay.rejected(stage, c)]
+            )
+            for f in filter(lambda p: Path(p).exists(), paths):
+                try:
+                    reasons = pq.read_table(f, columns=["reason"]).column(0).to_pylist()
+                except Exception:  # noqa: BLE001 - a file being written by a running job
+                    continue
+                out[c].setdefault(stage, Counter()).update(reasons)
     return out
 
 
-def kept(results: Path, categories) -> dict[str, int | None]:
-    """Rows in results/dataset/<category>/*.parquet (None: no shard merged yet)."""
+def kept(lay: layout.Layout, declared) -> dict[str, int | None]:
+    """Rows in the declared dataset shards of each category (None: no shard merged yet)."""
     out: dict[str, int | None] = {}
-    for c in categories:
-        files = sorted((results / "dataset" / c).glob("*.parquet"))
+    for c, shards in declared.items():
+        files = [p for p in (lay.dataset(c, s) for s in shards) if Path(p).exists()]
         out[c] = sum(pq.read_metadata(f).num_rows for f in files) if files else None
     return out
 
@@ -70,15 +69,19 @@ def guard_failures(results: Path, since: float) -> list[str]:
     return lines
 
 
-def summary_lines(results: str | Path, categories, ok: bool, since: float = 0.0) -> list[str]:
-    results = Path(results)
+def summary_lines(
+    lay: layout.Layout, settings, ok: bool, since: float = 0.0, retired=()
+) -> list[str]:
+    results = Path(lay.results)
+    declared = layout.declared(settings)
+    categories = list(declared)
     lines = []
     failures = guard_failures(results, since) if not ok else []
     lines += failures
     head = "tokenmill: run finished" if ok else "tokenmill: run FAILED"
     lines.append(head + "; per category:")
-    rej = rejections(results, categories)
-    rows = kept(results, categories)
+    rej = rejections(lay, declared)
+    rows = kept(lay, declared)
     total_truncated = 0
     for c in categories:
         stages = rej[c]
@@ -99,18 +102,16 @@ def summary_lines(results: str | Path, categories, ok: bool, since: float = 0.0)
         if truncated:
             line += f"; {truncated} truncated at max_new_tokens (dropped at merge)"
         lines.append(line)
+    lines += [f"  retired: {r.removeprefix('tokenmill: ')}" for r in retired]
     if not ok:
         lines.append(f"  job logs: {results / 'logs'}")
         return lines
-    dataset = results / "dataset"
+    dataset = Path(lay.dataset_dir())
     where = [f"dataset {dataset}" + ("" if dataset.is_dir() else " (not written yet)")]
-    for name, path in (
-        ("statistics", results / "stats" / "summary.md"),
-        ("provenance", results / "provenance.json"),
-    ):
-        if path.exists():
+    for name, path in (("statistics", lay.stats_table()), ("provenance", lay.provenance())):
+        if Path(path).exists():
             where.append(f"{name} {path}")
-    report = results / REPORT
+    report = Path(lay.report())
     where.append(
         f"report {report}"
         + (
@@ -128,11 +129,13 @@ def summary_lines(results: str | Path, categories, ok: bool, since: float = 0.0)
     return lines
 
 
-def print_summary(results, categories, ok: bool, since: float = 0.0, file=None) -> None:
+def print_summary(
+    lay: layout.Layout, settings, ok: bool, since: float = 0.0, retired=(), file=None
+) -> None:
     """Print the run's summary (never raises: a summary must not hide the run's own result)."""
     file = file or sys.stderr
     try:
-        text = "\n".join(summary_lines(results, sorted(categories), ok, since))
+        text = "\n".join(summary_lines(lay, settings, ok, since, retired))
     except Exception as exc:  # noqa: BLE001
         text = f"tokenmill: no run summary ({type(exc).__name__}: {exc})"
     print(text, file=file, flush=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from tokenmill import contracts
+from tokenmill import contracts, layout
 from tokenmill.settings import ConfigError, as_settings, load_section, thaw
 
 COLUMNS = [
@@ -50,20 +50,19 @@ COLUMNS = [
 ]
 
 
-def front_matter(categories: list[str]) -> dict:
+def front_matter(files: dict[str, list[str]]) -> dict:
+    """One `configs:` entry per category and a default `all`, each naming its shard files
+    (paths relative to the dataset folder) as the config declares them: a file the config
+    does not declare is never loaded, whatever else lies in the folder."""
     configs = [
         {
             "config_name": "all",
-            "data_files": [{"split": "train", "path": "*/*.parquet"}],
+            "data_files": [{"split": "train", "path": [f for fs in files.values() for f in fs]}],
             "default": True,
         }
     ]
-    for cat in categories:
-        if cat == "all":  # would shadow the default config; reachable through `all`
-            continue
-        configs.append(
-            {"config_name": cat, "data_files": [{"split": "train", "path": f"{cat}/*.parquet"}]}
-        )
+    for cat, cat_files in files.items():  # no category is named "all" (config.py)
+        configs.append({"config_name": cat, "data_files": [{"split": "train", "path": cat_files}]})
     return {
         "pretty_name": "tokenmill EAGLE-3 drafter training data",
         "tags": ["speculative-decoding", "eagle3", "token-ids", "synthetic"],
@@ -73,19 +72,20 @@ def front_matter(categories: list[str]) -> dict:
 
 
 def render(results_dir, config: dict, summary: dict | None) -> str:
-    results = Path(results_dir)
-    dataset = results / "dataset"
-    categories = sorted(
-        p.name for p in dataset.iterdir() if p.is_dir() and any(p.glob("*.parquet"))
-    )
+    config = as_settings(config)
+    lay = layout.Layout(str(results_dir), config.journal_dir)
+    dataset = Path(lay.dataset_dir())
+    shards = {c: [Path(lay.dataset(c, s)) for s in names]
+              for c, names in layout.declared(config).items()}  # fmt: skip
+    files = {c: [p.relative_to(dataset).as_posix() for p in ps] for c, ps in shards.items()}
+    categories = list(shards)
     tok_fps = set()
-    for f in sorted(dataset.glob("*/*.parquet")):
+    for f in (p for ps in shards.values() for p in ps if p.exists()):
         fp = contracts.read_metadata(f).get(contracts.META_TOKENIZER_FINGERPRINT)
         if fp:
             tok_fps.add(fp)
-    config = as_settings(config)
     gen, tok = config.generation, config.tokenizer
-    lines = ["---", yaml.safe_dump(front_matter(categories), sort_keys=False).rstrip(), "---", ""]
+    lines = ["---", yaml.safe_dump(front_matter(files), sort_keys=False).rstrip(), "---", ""]
     lines += [
         "# tokenmill EAGLE-3 drafter training data",
         "",
@@ -126,9 +126,9 @@ def render(results_dir, config: dict, summary: dict | None) -> str:
         "|---|---|---|",
     ]
     lines += [f"| `{n}` | {t} | {d} |" for n, t, d in COLUMNS]
-    lines += _conversations_section(dataset, categories, summary)
+    lines += _conversations_section(shards, summary)
     if config.dataset.draft_vocab_size is not None:
-        lines += _draft_vocab_section(dataset)  # not a stale folder of an earlier config
+        lines += _draft_vocab_section(Path(lay.vocab_mapping_summary()))
     if summary:
         lines += ["", "## Statistics", ""]
         lines += [
@@ -161,11 +161,11 @@ def render(results_dir, config: dict, summary: dict | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _conversations_section(dataset: Path, categories: list[str], summary: dict | None) -> list[str]:
+def _conversations_section(shards: dict[str, list[Path]], summary: dict | None) -> list[str]:
     """How the `context: regenerated` categories' rows differ (docs/multi-turn.md)."""
     convs = [
-        c for c in categories
-        if any(contracts.is_regenerated(f) for f in (dataset / c).glob("*.parquet"))
+        c for c, paths in shards.items()
+        if any(contracts.is_regenerated(f) for f in paths if f.exists())
     ]  # fmt: skip
     if not convs:
         return []
@@ -211,11 +211,10 @@ def _known(value, digits: int = 1) -> str:
     return str(value)
 
 
-def _draft_vocab_section(dataset: Path) -> list[str]:
+def _draft_vocab_section(path: Path) -> list[str]:
     """What vocab_mapping/ holds, when the pipeline wrote it (dataset.draft_vocab_size)."""
     from tokenmill.dataset import draft_vocab
 
-    path = dataset / draft_vocab.MAPPING_DIR / draft_vocab.SUMMARY_JSON
     if not path.is_file():
         return []
     m = json.loads(path.read_text())

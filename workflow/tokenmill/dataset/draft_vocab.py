@@ -48,18 +48,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tokenmill import contracts, model
+from tokenmill import contracts, layout, model
 
-COUNTS_DIR = "token_counts"
+# The folder and file names are the layout module's (tokenmill/layout.py, their one owner).
+COUNTS_DIR = layout.COUNTS_DIR
 COUNTS_STAGE = "token_counts"
 # contracts.META_COUNTS_SCOPE: "shard" (one dataset shard), "category" (the sum of a category's
 # shards) or "all" (the sum of every category): a folder given to --counts is read for its shard
 # files only, so the sums that lie beside them (results/token_counts/{category}.parquet,
 # _all.parquet) are not added twice. Files without it are shard files.
 SCOPES = ("shard", "category", "all")
-ALL_COUNTS = "_all"  # results/token_counts/_all.parquet; category names cannot start with "_"
-# results/dataset/vocab_mapping/: beside the dataset's category folders, with no Parquet in it
-MAPPING_DIR = "vocab_mapping"
+ALL_COUNTS = layout.ALL_COUNTS
+MAPPING_DIR = layout.MAPPING_DIR
 
 # results/token_counts/{category}/{shard}.parquet, one per dataset shard: the ids with a non-zero
 # count, ascending. Not in results/dataset/: that folder is the published dataset, read as
@@ -71,16 +71,11 @@ TOKEN_COUNTS = pa.schema(
     ]
 )
 
-SPECFORGE_PT = "vocab_mapping.pt"
-SUMMARY_JSON = "vocab_mapping.json"
-FORMATS = ("speculators", "specforge")
-
-
-def speculators_names(draft_size: int) -> tuple[str, str]:
-    """(d2t-N.npy, t2d-N.npy): the names `speculators train --draft-vocab-size N` looks for in
-    its --data-path before it builds a mapping of its own (speculators 0.9.0,
-    train/cli.py parse_vocab_mappings)."""
-    return f"d2t-{int(draft_size)}.npy", f"t2d-{int(draft_size)}.npy"
+SPECFORGE_PT = layout.SPECFORGE_MAPPING
+SUMMARY_JSON = layout.MAPPING_SUMMARY
+FORMATS = layout.MAPPING_FORMATS
+speculators_names = layout.speculators_mapping_files
+format_files = layout.mapping_format_files
 
 
 def remove_stale_speculators_files(out_dir, keep: Iterable[str]) -> list[str]:
@@ -93,15 +88,6 @@ def remove_stale_speculators_files(out_dir, keep: Iterable[str]) -> list[str]:
                 path.unlink()
                 removed.append(path.name)
     return removed
-
-
-def format_files(fmt: str, draft_size: int) -> tuple[str, ...]:
-    """The file names one format writes for a draft size."""
-    if fmt == "speculators":
-        return speculators_names(draft_size)
-    if fmt == "specforge":
-        return (SPECFORGE_PT,)
-    raise ValueError(f"format must be one of {list(FORMATS)}, got {fmt!r}")
 
 
 COVERAGE_NS = (8192, 16384, 32768, 65536)
@@ -190,9 +176,10 @@ def counts_path_for(dataset_path) -> Path:
     """results/dataset/{category}/{shard}.parquet ->
     results/token_counts/{category}/{shard}.parquet."""
     p = Path(dataset_path)
-    if p.parent.parent.name != "dataset":
+    if p.parent.parent.name != layout.DATASET_DIR:
         raise ValueError(f"{p} is not results/dataset/{{category}}/{{shard}}.parquet: give --out")
-    return p.parent.parent.parent / COUNTS_DIR / p.parent.name / p.name
+    lay = layout.Layout(str(p.parent.parent.parent), "")
+    return Path(lay.shard_counts(p.parent.name, p.stem))
 
 
 def write_counts(

@@ -55,12 +55,11 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tokenmill import contracts, keys
+from tokenmill import contracts, keys, layout
 from tokenmill.generate import conversations, job, journal
 from tokenmill.generate.resources import category_resources, gpus_per_job, job_resources
 from tokenmill.redaction import redact
 from tokenmill.settings import ConfigError, Settings, load_config_file
-from tokenmill.tokenization.shards import shard_names
 
 log = logging.getLogger("tokenmill.plan")
 
@@ -75,9 +74,11 @@ class CategoryPlan:
         gen = self.settings.generation
         self.category = category
         self.fingerprint = keys.generation_fingerprint(gen)
-        results = basedir / self.settings.results_dir
-        self.journal_dir = basedir / self.settings.journal_dir
-        names = shard_names(self.settings.categories[category].shards)
+        lay = layout.Layout(
+            str(basedir / self.settings.results_dir), str(basedir / self.settings.journal_dir)
+        )
+        self.journal_dir = Path(lay.journal)
+        names = layout.declared(self.settings)[category]
         self.shards_configured = len(names)
         self.prompts = self.prompt_tokens = 0
         self.shards: dict[str, list] = {}  # shard -> [(Item, ...)] still to send
@@ -90,7 +91,7 @@ class CategoryPlan:
         material = redact(keys.generation_material(gen))
         self.turns_left: dict[str, int] = {}  # conversation shard -> turns not journaled yet
         for name in names:
-            path = results / "tokenized" / category / f"{name}.parquet"
+            path = Path(lay.tokenized(category, name))
             if not path.exists():
                 continue
             shard = job.Shard(str(path), self.fingerprint, gen.seed_policy)
@@ -466,7 +467,9 @@ async def _pilot(settings: Settings, basedir: Path, plans: dict, n: int) -> dict
     stop_ids, _ = job.resolve_stop_ids(gen, settings.tokenizer, str(basedir), shard_meta)
     opts = ClientOptions.from_config(gen, stop_ids, api_key)
     managed = gen.managed
-    log_dir = basedir / settings.results_dir / "logs" / "plan"
+    log_dir = Path(layout.Layout(str(basedir / settings.results_dir), "").log("plan")).with_suffix(
+        ""
+    )
     engine = (
         ManagedEngine(gen, log_dir, basedir, api_key, api=api)
         if managed

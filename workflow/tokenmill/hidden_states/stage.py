@@ -16,12 +16,20 @@ import logging
 import sys
 from pathlib import Path
 
+from tokenmill import layout as run_layout
 from tokenmill import model as model_files
 from tokenmill.generate.resources import attempt_growth
 from tokenmill.hidden_states import job, layout
 from tokenmill.settings import ConfigError, Settings, hidden_states_resources, load_section
 
 STAGE = "hidden_states"
+
+
+def layout_of(settings: Settings, basedir=".") -> run_layout.Layout:
+    """The run's layout with its folders under `basedir` (unless absolute)."""
+    return run_layout.Layout(
+        str(Path(basedir) / settings.results_dir), str(Path(basedir) / settings.journal_dir)
+    )
 
 
 def model_name(settings: Settings) -> str | None:
@@ -149,13 +157,14 @@ def main(argv: list[str]) -> int:
 # ------------------------------------------------------------------------------ plan
 
 
-def dataset_tokens(results: Path, category: str) -> int | None:
-    """Tokens of a category's merged shards (exact), or None before merge has run."""
+def dataset_tokens(settings: Settings, basedir, category: str) -> int | None:
+    """Tokens of a category's merged shards (exact), or None before merge has run them all."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    files = sorted((results / "dataset" / category).glob("*.parquet"))
-    if not files:
+    lay = layout_of(settings, basedir)
+    files = [Path(lay.dataset(category, s)) for s in run_layout.declared(settings)[category]]
+    if not all(f.exists() for f in files):
         return None
     return sum(int(pc.sum(pq.read_table(f, columns=["num_total_tokens"])[0]).as_py() or 0)
                for f in files)  # fmt: skip
@@ -178,9 +187,8 @@ def estimate(settings: Settings, basedir, expected_tokens: dict[str, int]) -> di
         for lay in hs.layouts
     }
     rows = []
-    results = Path(basedir) / settings.results_dir
     for category in sorted(settings.categories):
-        exact = dataset_tokens(results, category)
+        exact = dataset_tokens(settings, basedir, category)
         tokens = exact if exact is not None else int(expected_tokens.get(category, 0))
         rows.append(
             {

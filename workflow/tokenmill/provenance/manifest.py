@@ -59,7 +59,6 @@ samples.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -72,10 +71,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 import tokenmill
-from tokenmill import contracts, keys
+from tokenmill import contracts, keys, layout
 from tokenmill.contracts import sha256_file
-from tokenmill.dataset import draft_vocab as dv
-from tokenmill.hidden_states import layout as hs_layout
 from tokenmill.prepare.sources import expand_paths
 from tokenmill.redaction import REDACTED, redact
 from tokenmill.settings import ConfigError, Settings, as_settings, load_section
@@ -192,77 +189,55 @@ def _software() -> dict:
     return {"python": sys.version.split()[0], "platform": platform.platform(), "packages": pkgs}
 
 
-# Run logs and Snakemake benchmark tables change with every run (and the provenance job's own
-# log is still being written): they are not data and are not listed.
-NOT_LISTED_DIRS = ("logs/", "benchmarks/")
-
-
 # The dataset folder's own manifest: written with provenance.json, listed by neither.
-DATASET_DIR = "dataset"
-MANIFEST_NAME = "provenance.json"
-DATASET_MANIFEST = f"{DATASET_DIR}/{MANIFEST_NAME}"
+DATASET_DIR = layout.DATASET_DIR
+MANIFEST_NAME = layout.PROVENANCE
 
 
-def _excluded(rel: str, journal_rel: str | None, out_rel: str | None) -> bool:
-    name = rel.rsplit("/", 1)[-1]
-    if rel in (out_rel, MANIFEST_NAME, DATASET_MANIFEST) or name.startswith("."):
-        return True
-    if rel.startswith(NOT_LISTED_DIRS) or rel == "report.html":
-        return True
-    return bool(journal_rel) and (rel == journal_rel or rel.startswith(journal_rel + "/"))
-
-
-def output_paths(results: Path, config: Settings | dict, out_path: Path | None = None) -> list[str]:
-    """Paths (relative, posix) of the files under results that the provenance lists."""
+def output_paths(results: Path, config: Settings | dict) -> list[str]:
+    """Paths (relative to results, posix) of the files the provenance lists: every file the
+    config declares (layout.published_files), never what else lies in the folder."""
     config = as_settings(config)
-    journal = Path(config.journal_dir)
-    journal_rel = None
-    try:
-        journal_rel = str(journal.resolve().relative_to(results.resolve()))
-    except ValueError:
-        # journal_dir is relative to the workflow dir, results_dir too: compare the tails
-        rd = Path(config.results_dir)
-        if journal.parts[: len(rd.parts)] == rd.parts:
-            journal_rel = "/".join(journal.parts[len(rd.parts) :])
-    out_rel = None
-    if out_path is not None:
-        with contextlib.suppress(ValueError):
-            out_rel = str(out_path.resolve().relative_to(results.resolve()))
-    # Sorted as strings: token_counts/chat.parquet before token_counts/chat/000.parquet.
-    rels = sorted(p.relative_to(results).as_posix() for p in results.rglob("*") if p.is_file())
-    return [rel for rel in rels if not _excluded(rel, journal_rel, out_rel)]
+    lay = layout.Layout(str(results), config.journal_dir)
+    return [Path(p).relative_to(results).as_posix() for p in layout.published_files(lay, config)]
 
 
-def _hidden_states_manifests(results: Path) -> dict[str, dict]:
-    """{shard folder (relative): its manifest.json} of the hidden_states stage."""
-    return {
-        m.parent.relative_to(results).as_posix(): json.loads(m.read_text())
-        for m in sorted((results / "hidden_states").glob(f"*/*/{hs_layout.MANIFEST}"))
-    }
+def _hidden_states_manifests(results: Path, config: Settings) -> dict[str, dict]:
+    """{shard folder (relative): its manifest.json} of the hidden_states stage's declared
+    shards."""
+    if not config.hidden_states.enabled:
+        return {}
+    lay = layout.Layout(str(results), config.journal_dir)
+    out = {}
+    for c, shards in layout.declared(config).items():
+        for s in shards:
+            m = Path(lay.hidden_states_manifest(c, s))
+            out[m.parent.relative_to(results).as_posix()] = json.loads(m.read_text())
+    return out
 
 
-def _hidden_states(results: Path) -> dict:
+def _hidden_states(manifests: dict[str, dict]) -> dict:
     """Per shard folder: rows, tokens, bytes, layer ids, dtype, layouts, the stage fingerprint
     (the row files themselves are in `outputs`)."""
     return {
         d: {k: m.get(k) for k in ("rows", "tokens", "bytes", "layer_ids", "dtype", "layouts",
                                   "fingerprint")}
-        for d, m in _hidden_states_manifests(results).items()
+        for d, m in manifests.items()
     }  # fmt: skip
 
 
-def list_outputs(
-    results: Path, config: Settings | dict, out_path: Path | None = None
-) -> list[dict]:
-    # The hidden_states files (terabytes in a real run) take their sha256 from the manifest
-    # their job wrote from the bytes it wrote, when the size on disk agrees; verify re-reads.
-    known = {
-        f"{d}/{f['path']}": f
-        for d, m in _hidden_states_manifests(results).items()
-        for f in m.get("files", [])
-    }
+def list_outputs(results: Path, config: Settings | dict) -> list[dict]:
+    """{path, size, sha256, rows (Parquet)} of every declared file and every file of the
+    declared hidden-state shard folders (their sha256 from the manifest their job wrote from
+    the bytes it wrote, when the size on disk agrees: terabytes in a real run; verify
+    re-reads)."""
+    config = as_settings(config)
+    manifests = _hidden_states_manifests(results, config)
+    rels = output_paths(results, config)
+    rels += [f"{d}/{f['path']}" for d, m in manifests.items() for f in m.get("files", [])]
+    known = {f"{d}/{f['path']}": f for d, m in manifests.items() for f in m.get("files", [])}
     entries = []
-    for rel in output_paths(results, config, out_path):
+    for rel in sorted(rels):
         p = results / rel
         k = known.get(rel)
         if k and p.stat().st_size == k["size"]:
@@ -291,10 +266,11 @@ def build(results_dir, config: Settings | dict, configfiles=(), basedir=".", out
     settings = as_settings(config)
     config = settings.raw  # the resolved config, as recorded
     gen, tok = settings.generation, settings.tokenizer
+    lay = layout.Layout(str(results), settings.journal_dir)
+    declared = layout.declared(settings)
     engine, jobs, starts, ends = [], [], [], []
-    for m in sorted((results / "generated").glob("*/*.meta.json")):
-        meta = redact(json.loads(m.read_text()))
-        cat, shard = m.parent.name, m.name[: -len(".meta.json")]
+    for cat, shard in ((c, s) for c, shards in declared.items() for s in shards):
+        meta = redact(json.loads(Path(lay.generate_record(cat, shard)).read_text()))
         engine.append({"category": cat, "shard": shard, "meta": meta})
         start = meta.get("start_time") or meta.get("start")
         end = meta.get("end_time") or meta.get("end")
@@ -312,7 +288,7 @@ def build(results_dir, config: Settings | dict, configfiles=(), basedir=".", out
                 "end": end,
             }
         )
-    outputs = list_outputs(results, settings, Path(out_path) if out_path else None)
+    outputs = list_outputs(results, settings)
     if not starts and outputs:
         mtimes = [(results / e["path"]).stat().st_mtime for e in outputs]
         from datetime import UTC, datetime
@@ -322,14 +298,11 @@ def build(results_dir, config: Settings | dict, configfiles=(), basedir=".", out
     tok_fps = sorted(
         {
             contracts.read_metadata(f).get(contracts.META_TOKENIZER_FINGERPRINT)
-            for f in (results / "tokenized").glob("*/*.parquet")
+            for f in (lay.tokenized(c, s) for c, shards in declared.items() for s in shards)
         }
         - {None}
     )
-    prepare_meta = {
-        f.stem: {k: v for k, v in contracts.read_metadata(f).items()}
-        for f in sorted((results / "prompts").glob("*.parquet"))
-    }
+    prepare_meta = {c: dict(contracts.read_metadata(lay.prompts(c))) for c in declared}
     manifest = {
         "schema": SCHEMA,
         "results_dir": str(results_dir),
@@ -368,11 +341,11 @@ def build(results_dir, config: Settings | dict, configfiles=(), basedir=".", out
         "software": _software(),
         "workflow": _git(base),
         "outputs": outputs,
-        "draft_vocab": _draft_vocab(results),
+        "draft_vocab": _draft_vocab(lay),
         "token_counts": {
             e["path"]: int(contracts.read_metadata(results / e["path"])[contracts.META_LOSS_TOKENS])
             for e in outputs
-            if e["path"].startswith(f"{dv.COUNTS_DIR}/") and e["path"].endswith(".parquet")
+            if e["path"].startswith(f"{layout.COUNTS_DIR}/") and e["path"].endswith(".parquet")
         },
         "generated_samples": {
             e["path"]: sample_digests(results / e["path"])
@@ -381,24 +354,21 @@ def build(results_dir, config: Settings | dict, configfiles=(), basedir=".", out
         },
     }
     if settings.hidden_states.enabled:
-        manifest["hidden_states"] = _hidden_states(results)
+        manifest["hidden_states"] = _hidden_states(_hidden_states_manifests(results, settings))
     return manifest
 
 
-def dataset_manifest(run: dict, results_dir, config: Settings | dict) -> dict:
+def dataset_manifest(run: dict) -> dict:
     """The dataset folder's manifest: the run's manifest with `outputs` listing the folder's
-    own files (relative to it) and the run's outputs kept as `run_outputs`."""
-    folder = Path(results_dir) / DATASET_DIR
-    return {
-        **run,
-        "scope": "dataset",
-        "outputs": list_outputs(folder, config, folder / MANIFEST_NAME),
-        "run_outputs": run["outputs"],
-    }
+    own declared files (relative to it) and the run's outputs kept as `run_outputs`."""
+    prefix = DATASET_DIR + "/"
+    own = [{**e, "path": e["path"][len(prefix) :]} for e in run["outputs"]
+           if e["path"].startswith(prefix)]  # fmt: skip
+    return {**run, "scope": "dataset", "outputs": own, "run_outputs": run["outputs"]}
 
 
-def _draft_vocab(results: Path) -> dict | None:
-    path = results / "dataset" / dv.MAPPING_DIR / dv.SUMMARY_JSON
+def _draft_vocab(lay: layout.Layout) -> dict | None:
+    path = Path(lay.vocab_mapping_summary())
     return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -552,7 +522,7 @@ def main(argv: list[str]) -> int:
     manifest = build(args.results_dir, config, configfiles, args.basedir, args.out)
     if args.dataset_out:
         dtmp = contracts.atomic_path(args.dataset_out)
-        dtmp.write_text(dumps(dataset_manifest(manifest, args.results_dir, config), config))
+        dtmp.write_text(dumps(dataset_manifest(manifest), config))
         dtmp.replace(args.dataset_out)
     tmp = contracts.atomic_path(args.out)
     tmp.write_text(dumps(manifest, config), encoding="utf-8")

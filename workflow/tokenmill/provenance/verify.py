@@ -14,8 +14,9 @@ import json
 import sys
 from pathlib import Path
 
+from tokenmill import layout
 from tokenmill.contracts import sha256_file
-from tokenmill.provenance.manifest import MANIFEST_NAME, output_paths
+from tokenmill.provenance.manifest import MANIFEST_NAME
 from tokenmill.settings import ConfigError, load_section
 
 
@@ -33,10 +34,39 @@ def verify(manifest: dict, directory) -> tuple[list[str], list[str]]:
         elif sha256_file(p) != e["sha256"]:
             errors.append(f"sha256 differs: {path} (expected {e['sha256']})")
     config = load_section(manifest.get("config", {}).get("resolved", {}), None)
-    for rel in output_paths(d, config, d / MANIFEST_NAME) if d.is_dir() else []:
-        if rel not in listed:
-            warnings.append(f"unexpected extra file: {rel}")
+    journal = _journal_inside(config)
+    warnings += [f"unexpected extra file: {rel}" for rel in extra_files(d, set(listed), journal)]
     return errors, warnings
+
+
+def _journal_inside(config) -> str | None:
+    """journal_dir relative to results_dir when it lies inside it (both as the config gives
+    them), else None."""
+    journal, results = Path(config.journal_dir), Path(config.results_dir)
+    if journal.parts[: len(results.parts)] == results.parts and journal != results:
+        return "/".join(journal.parts[len(results.parts) :])
+    return None
+
+
+def extra_files(directory: Path, listed: set[str], journal: str | None = None) -> list[str]:
+    """Files in `directory` that the manifest does not list: the copy being checked is listed
+    here, whatever its origin. Not counted: the provenance files, the report, hidden files, the
+    run's logs, benchmarks and retired files (layout.RUN_LOG_DIRS, layout.RETIRED_DIR) and a
+    journal kept inside the results folder."""
+    if not directory.is_dir():
+        return []
+    skip = (*(f"{d}/" for d in layout.RUN_LOG_DIRS), f"{layout.RETIRED_DIR}/")
+    skip += (f"{journal}/",) if journal else ()
+    own = {MANIFEST_NAME, f"{layout.DATASET_DIR}/{MANIFEST_NAME}", layout.REPORT}
+    extra = []
+    for p in sorted(directory.rglob("*")):
+        rel = p.relative_to(directory).as_posix()
+        if not p.is_file() or rel in listed or rel in own or rel.startswith(skip):
+            continue
+        if any(part.startswith(".") for part in rel.split("/")):
+            continue
+        extra.append(rel)
+    return extra
 
 
 def main(argv: list[str]) -> int:

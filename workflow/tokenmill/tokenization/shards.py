@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tokenmill.layout import shard_name, shard_names  # noqa: F401 - their owner: the layout
+
 
 def shard_of(prompt_id: str, n: int) -> int:
     """The shard of `prompt_id` among `n` shards. Raises ValueError for a non-hex id."""
@@ -19,15 +21,6 @@ def shard_of(prompt_id: str, n: int) -> int:
     if len(head) < 16:
         raise ValueError(f"prompt_id '{prompt_id}' is shorter than 16 hex digits")
     return int(head, 16) % n
-
-
-def shard_name(shard: int) -> str:
-    return f"{shard:03d}"
-
-
-def shard_names(n: int) -> list[str]:
-    """['000', '001', ...]: the fixed set of shard names the Snakefile expands over."""
-    return [shard_name(i) for i in range(n)]
 
 
 def shard_path(out_dir: str | os.PathLike, shard: int) -> Path:
