@@ -51,6 +51,9 @@ if not (workflow.remote_exec or workflow.subprocess_exec):
     RETIRED = []
 
     onstart:
+        _slurm_problem = support.slurm_tools_problem(workflow)
+        if _slurm_problem:
+            raise WorkflowError(_slurm_problem)
         RETIRED.extend(support.on_start(workflow, LAYOUT, SETTINGS))
 
     onsuccess:

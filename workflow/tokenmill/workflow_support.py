@@ -58,20 +58,15 @@ def stale_lock_hint(argv: list[str], workdir=".") -> str | None:
 
 
 def on_start(workflow, lay, settings) -> list[str]:
-    """The controller's first act once the jobs are planned (the Snakefile's onstart): one
-    sentence and no job when the run submits to SLURM without SLURM's commands here; the files
-    the config no longer declares retired from the published folders (one line per category,
-    printed now and returned for the closing summary); the preemption watchdog on SLURM."""
+    """The controller's first act once the jobs are planned (the Snakefile's onstart, after
+    slurm_tools_problem): the files the config no longer declares retired from the published
+    folders (one line per category, printed now and returned for the closing summary); the
+    preemption watchdog on SLURM."""
     import sys
 
     from tokenmill import retire
     from tokenmill.generate import preemption
 
-    problem = slurm_tools_problem(workflow)
-    if problem:
-        from snakemake.exceptions import WorkflowError
-
-        raise WorkflowError(problem)
     lines = retire.retire_undeclared(lay, settings)
     for line in lines:
         print(line, file=sys.stderr, flush=True)
