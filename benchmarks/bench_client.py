@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import fake_sglang  # noqa: E402
 
+from tokenmill.engines.launch import free_port  # noqa: E402
 from tokenmill.generate import journal  # noqa: E402
 from tokenmill.generate.client import Client, ClientOptions, Item  # noqa: E402
-from tokenmill.generate.launch import free_port  # noqa: E402
 
 
 def _cpu() -> float:

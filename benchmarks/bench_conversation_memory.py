@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 import fake_sglang  # noqa: E402
 from bench_conversations import conversation_shard  # noqa: E402
 
-from tokenmill.generate.launch import free_port  # noqa: E402
+from tokenmill.engines.launch import free_port  # noqa: E402
 
 STOP = 2
 VOCAB = 2048  # the stand-in's ids are below 1010, the shard's below 1500

@@ -25,10 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import fake_sglang  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
-from tokenmill import contracts  # noqa: E402
-from tokenmill.generate import conversations, engines, journal  # noqa: E402
+from tokenmill import (
+    contracts,  # noqa: E402
+    engines,  # noqa: E402
+)
+from tokenmill.engines.launch import free_port  # noqa: E402
+from tokenmill.generate import conversations, journal
 from tokenmill.generate.client import Client, ClientOptions, Item  # noqa: E402
-from tokenmill.generate.launch import free_port  # noqa: E402
 
 CONCURRENCY = 256
 STOP = 2

@@ -50,8 +50,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import fake_sglang  # noqa: E402
 
 from tokenmill import contracts, keys  # noqa: E402
+from tokenmill.engines.launch import free_port  # noqa: E402
 from tokenmill.generate import journal  # noqa: E402
-from tokenmill.generate.launch import free_port  # noqa: E402
 from tokenmill.tokenization import shards  # noqa: E402
 from tokenmill.tokenization import stage as tokenize_stage  # noqa: E402
 

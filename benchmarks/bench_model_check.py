@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from tokenmill import model
-from tokenmill.generate import launch
+from tokenmill.engines import launch
 
 
 def _write(d: Path, files: int, mib: int) -> None:
@@ -78,7 +78,7 @@ def main() -> int:
         floor = min(_plain_read([ours, copy]) for _ in range(2))
         cold, cold_reads = _check(copy, base)
         code = (
-            "import sys, time; from tokenmill import model; from tokenmill.generate import launch\n"
+            "import sys, time; from tokenmill import model; from tokenmill.engines import launch\n"
             "model.hash_file = lambda p: sys.exit(f'read {p}')\n"
             "t0 = time.perf_counter()\n"
             f"launch.check_model({{'model_path': {str(copy)!r}}}, {{}}, {{'model': 'ours'}}, "

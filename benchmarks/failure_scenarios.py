@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import fake_sglang
 from test_generate import prompts, write_tokenized
 
-from tokenmill.generate.launch import free_port
+from tokenmill.engines.launch import free_port
 
 TREE = sys.argv[1]  # workflow dir of the tokenmill under test
 OUT = Path(sys.argv[2])

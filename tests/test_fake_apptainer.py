@@ -14,7 +14,7 @@ from pathlib import Path
 import fake_sglang
 import pytest
 
-from tokenmill.generate import launch as eng
+from tokenmill.engines import launch as eng
 
 FAKE = Path(__file__).resolve().parent / "slurm" / "fake_apptainer"
 

@@ -24,8 +24,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tokenmill import contracts, keys
+from tokenmill.engines.launch import free_port
 from tokenmill.generate import journal
-from tokenmill.generate.launch import free_port
 from tokenmill.tokenization import shards
 from tokenmill.tokenization import stage as tokenize_stage
 

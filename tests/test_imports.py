@@ -21,9 +21,10 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "workflow" / "tokenmill"
 
-SHARED = {"contracts", "guards", "keys", "launch_flags", "layout", "settings", "model", "redaction"}
+SHARED = {"contracts", "guards", "keys", "launch_flags", "layout", "settings", "model", "redaction",
+          "engines", "jobs"}  # fmt: skip
 STAGES = {"prepare", "tokenization", "generate", "dataset", "provenance", "hidden_states"}
-TOP = {"cli", "config", "retire", "run_summary", "workflow_support", "__main__"}
+TOP = {"cli", "config", "plan", "retire", "run_summary", "workflow_support", "__main__"}
 TOOLING = {"testing"}  # demo and test tooling: may use anything, nothing in production uses it
 
 

@@ -15,10 +15,10 @@ import time
 import fake_sglang
 import pytest
 
+from tokenmill import engines
 from tokenmill import model as model_files
 from tokenmill import redaction as secrets
-from tokenmill.generate import engines
-from tokenmill.generate import launch as eng
+from tokenmill.engines import launch as eng
 
 VERSIONS = ["0.5.23", "0.5.16"]
 
@@ -193,7 +193,7 @@ def test_an_unchanged_copy_is_accepted_and_a_second_job_reads_nothing(tmp_path, 
     # A second job is another process: its check takes every digest from the cache and would
     # fail if it read a single weight byte.
     code = (
-        "import sys; from tokenmill import model; from tokenmill.generate import launch\n"
+        "import sys; from tokenmill import model; from tokenmill.engines import launch\n"
         "def no(p): sys.exit(f'read {p}')\n"
         "model.hash_file = no\n"
         f"print(launch.check_model({{'model_path': {str(copy)!r}}}, {{}}, "
@@ -485,7 +485,7 @@ def test_task_wrapper_substitutes_rank_and_head(tmp_path):
         [
             sys.executable,
             "-m",
-            "tokenmill.generate.launch",
+            "tokenmill.engines.launch",
             "task",
             "--argv-json",
             json.dumps(template),
@@ -513,7 +513,7 @@ def test_multinode_launch_with_injected_prefix(tmp_path, monkeypatch):
     e = eng.ManagedEngine(gen, tmp_path)
     argv = e.build_argv(31000)
     assert argv[:4] == ["env", "SLURM_PROCID=0", "SLURM_NODEID=0", "SLURM_JOB_NODELIST=127.0.0.1"]
-    assert argv[4:8] == [sys.executable, "-m", "tokenmill.generate.launch", "task"]
+    assert argv[4:8] == [sys.executable, "-m", "tokenmill.engines.launch", "task"]
     asyncio.run(e.start())
     try:
         launched = e.server_info["launch_command"]

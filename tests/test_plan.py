@@ -212,7 +212,7 @@ def test_before_any_run_plan_prints_the_one_command_to_run(tmp_path):
     ],
 )
 def test_truncated_share_and_the_max_new_tokens_that_keeps_a_share(outputs, keep, expected):
-    from tokenmill.generate.plan import truncation
+    from tokenmill.plan import truncation
 
     t = truncation(outputs, keep)
     assert (t["truncated"], t["truncated_share"], t["max_new_tokens_for_keep"]) == expected

@@ -1,4 +1,4 @@
-"""The controller's preemption watchdog (tokenmill/generate/preemption.py) with stand-in squeue
+"""The controller's preemption watchdog (tokenmill/jobs/preemption.py) with stand-in squeue
 and scontrol: it requeues only this workflow's PREEMPTED jobs however often one is preempted,
 says when SLURM refuses and fails the run after three refusals in a row, fails the run on a job
 that pends for a reason that never clears (squeue output samples), and starts only under the
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tokenmill.generate import preemption
+from tokenmill.jobs import preemption
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.generate.engines.sglang import SAMPLING_KEYS
+from tokenmill.engines.sglang import SAMPLING_KEYS
 from tokenmill.testing.reference_api import READY_LINE, SAMPLING_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""SLURM resources of generate jobs (tokenmill/generate/resources.py and the generate rule):
+"""SLURM resources of generate jobs (tokenmill/jobs/resources.py and the generate rule):
 GPUs per node through the plugin's real keys, per-category overrides, runtime and memory that
 grow with the attempt up to their caps, qos/constraint only when set, and the schema's checks."""
 
@@ -14,7 +14,7 @@ import yaml
 from helpers import copy_workflow, tool_env
 
 from tokenmill.config import ConfigError, check_config
-from tokenmill.generate.resources import gpus_per_job, job_resources
+from tokenmill.jobs.resources import gpus_per_job, job_resources
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -128,7 +128,7 @@ def test_the_rule_gives_each_category_its_resources(tmp_path):
 def test_plan_prints_what_each_generate_job_asks_for(config, tmp_path):
     """`tokenmill plan` (before anything is tokenized) names each category's memory, runtime,
     CPUs and GPUs at attempts 1-3, the numbers the generate rule asks SLURM for."""
-    from tokenmill.generate import plan
+    from tokenmill import plan
 
     res = config["generation"]["resources"]
     res.update(mem_mb=30000, max_mem_mb=70000, runtime_min=100, max_runtime_min=250)

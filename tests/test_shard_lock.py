@@ -1,4 +1,4 @@
-"""One generate process per shard (tokenmill/generate/shard_lock.py): a second `tokenmill
+"""One generate process per shard (tokenmill/jobs/lock.py): a second `tokenmill
 generate` on a shard that a live process is generating refuses at once (no engine, no request);
 after that process is SIGKILLed its stale lock is taken over and the shard completes exactly once.
 Locks held by SLURM jobs on other hosts are judged by `squeue -j` (a stand-in squeue here).
@@ -16,7 +16,7 @@ import time
 import pytest
 from test_generate import Run, _alive, _complete, _wait_for
 
-from tokenmill.generate import shard_lock
+from tokenmill.jobs import lock as shard_lock
 
 
 @pytest.fixture(autouse=True)

@@ -621,7 +621,7 @@ def test_requeued_job_restarts_under_its_id_and_resumes(faults):
 
 def test_multi_node_launch_gives_each_task_its_rank_and_the_head(pipeline, tmp_path, cluster):
     """nnodes=2 on a one-node cluster: the launcher prefix (TOKENMILL_LAUNCHER_PREFIX,
-    generate/launch.py) runs the two ranks as two tasks of one srun step on the same node, and
+    engines/launch.py) runs the two ranks as two tasks of one srun step on the same node, and
     --set-resources keeps the job on the one node (the rule asks for nnodes nodes)."""
     workdir = fresh_copy(
         pipeline, tmp_path, ["results/generated/code/000*", "results/rejected/generate/code/000*"]

@@ -31,8 +31,8 @@ from tokenmill.config import (
     merge_dataset_config,
     outputs_config,
 )
-from tokenmill.generate import preemption
-from tokenmill.generate.resources import job_resources
+from tokenmill.jobs import preemption
+from tokenmill.jobs.resources import job_resources
 from tokenmill.keys import generation_fingerprint
 from tokenmill.settings import Settings
 

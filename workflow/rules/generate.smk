@@ -23,7 +23,7 @@ rule generate_shard:
     # executor gives the Snakemake inside each job, which then retried inside the allocation.
     # The profile's `retries` is the only count (profiles/*/config.yaml).
     resources:
-        # tokenmill.generate.resources: the category's overrides, GPUs per node (gres and
+        # tokenmill.jobs.resources: the category's overrides, GPUs per node (gres and
         # nodes for a multi-node engine), runtime and memory growing with the attempt (capped).
         gpu=generate_resource("gpu"),
         gpu_model=generate_resource("gpu_model"),

@@ -14,7 +14,7 @@ COMMANDS = {
     "prepare": ("tokenmill.prepare.stage", "sources of one category -> normalized prompts"),
     "tokenize": ("tokenmill.tokenization.stage", "prompts of one category -> tokenized shards"),
     "generate": ("tokenmill.generate.stage", "one tokenized shard -> generated token shard"),
-    "plan": ("tokenmill.generate.plan", "per category: requests, tokens, GPU-hours still to go"),
+    "plan": ("tokenmill.plan", "per category: requests, tokens, GPU-hours still to go"),
     "serve-reference": (
         "tokenmill.testing.reference_api",
         "CPU engine speaking SGLang's native API",

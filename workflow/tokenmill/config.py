@@ -171,7 +171,7 @@ def check_semantics(config: Settings | dict, basedir: str | Path = ".") -> None:
         problems.append("config key 'generation.launch.command': required in managed mode")
     if gen.mode == "external" and not gen.external.urls:
         problems.append("config key 'generation.external.urls': required in external mode")
-    from tokenmill.generate import engines
+    from tokenmill import engines
 
     try:
         engines.validate(gen)
@@ -181,7 +181,7 @@ def check_semantics(config: Settings | dict, basedir: str | Path = ".") -> None:
         engines.validate_launch(gen)
     except ValueError as exc:
         problems.append(f"config key 'generation.seed_policy': {exc}")
-    from tokenmill.generate import resources
+    from tokenmill.jobs import resources
 
     problems += resources.problems(s)
     problems += hidden_states_problems(s, base)

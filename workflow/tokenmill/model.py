@@ -5,7 +5,7 @@ Hugging Face hub id, found in the local cache (never downloaded). Its config.jso
 vocabulary size (tokenize and the draft vocabulary bound token ids by it; generate checks it).
 
 Two copies of a model are compared by full content (`content_difference`, which
-generate/launch.py's model check uses): config.json and every weight file, by name, size and
+engines/launch.py's model check uses): config.json and every weight file, by name, size and
 sha256 of all their bytes. A file's sha256 is computed once (streamed, HASH_CHUNK at a time)
 and cached on disk by (resolved path, size, mtime_ns, inode) in `cache_dir()` (one small file
 per entry, written atomically: concurrent jobs never corrupt it, a lost race only costs one

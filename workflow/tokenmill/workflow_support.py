@@ -65,7 +65,7 @@ def on_start(workflow, lay, settings) -> list[str]:
     import sys
 
     from tokenmill import retire
-    from tokenmill.generate import preemption
+    from tokenmill.jobs import preemption
 
     lines = retire.retire_undeclared(lay, settings)
     for line in lines:

@@ -1,7 +1,7 @@
 """asyncio client for an engine's token-IDs endpoint: one prompt per request, bounded concurrency.
 
 The engine-specific part (request path and body, reading the answer, error bodies) is an
-`EngineAPI` from tokenmill.generate.engines (SGLang's /generate by default, vLLM's /v1/completions).
+`EngineAPI` from tokenmill.engines (SGLang's /generate by default, vLLM's /v1/completions).
 
 A fixed pool of worker coroutines (concurrency per server) pulls prompts from one queue; each
 request goes to the server with the fewest requests in flight. Every finished prompt is handed
@@ -61,8 +61,8 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from tokenmill import guards
-from tokenmill.generate.engines import EngineAPI, SGLangAPI
-from tokenmill.generate.engines.base import DUPLICATE_RID
+from tokenmill.engines import EngineAPI, SGLangAPI
+from tokenmill.engines.base import DUPLICATE_RID
 from tokenmill.settings import GenerationSettings, as_section, load_section
 
 log = logging.getLogger(__name__)

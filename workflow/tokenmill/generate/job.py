@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow.parquet as pq
 
-from tokenmill import contracts, keys
-from tokenmill.generate import engines, journal
+from tokenmill import contracts, engines, keys
+from tokenmill.engines.launch import ExternalEngines, ManagedEngine
+from tokenmill.generate import journal
 from tokenmill.generate.client import (
     OK,
     REJECTED,
@@ -55,7 +56,6 @@ from tokenmill.generate.client import (
     Stats,
     plural,
 )
-from tokenmill.generate.launch import ExternalEngines, ManagedEngine
 from tokenmill.model import model_vocab_size
 from tokenmill.redaction import redact
 from tokenmill.settings import (

@@ -28,11 +28,12 @@ import time
 from datetime import UTC, datetime
 
 from tokenmill import contracts
-from tokenmill.generate import conversations, failure, prompts, shard_lock
+from tokenmill.engines.launch import EngineError
+from tokenmill.generate import conversations, failure, prompts
 from tokenmill.generate.client import FailFast, GenerationFailed
 from tokenmill.generate.job import held_resources
-from tokenmill.generate.launch import EngineError
-from tokenmill.generate.shard_lock import ShardLocked
+from tokenmill.jobs import lock as shard_lock
+from tokenmill.jobs.lock import ShardLocked
 from tokenmill.redaction import redact
 from tokenmill.settings import ConfigError, load_section
 

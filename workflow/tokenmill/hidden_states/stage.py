@@ -18,8 +18,8 @@ from pathlib import Path
 
 from tokenmill import layout as run_layout
 from tokenmill import model as model_files
-from tokenmill.generate.resources import attempt_growth
 from tokenmill.hidden_states import job, layout
+from tokenmill.jobs.resources import attempt_growth
 from tokenmill.settings import ConfigError, Settings, hidden_states_resources, load_section
 
 STAGE = "hidden_states"

@@ -1,7 +1,7 @@
 """The vLLM backend: a vLLM server with `extract_hidden_states` writes each row's states.
 
 Managed (hidden_states.mode: managed): the server is started from hidden_states.launch.command
-(generation.launch's placeholders; tokenmill.generate.launch starts, checks and stops it) with
+(generation.launch's placeholders; tokenmill.engines.launch starts, checks and stops it) with
 these flags added:
 
     --speculative-config {"method": "extract_hidden_states", "num_speculative_tokens": 1,
@@ -96,7 +96,7 @@ class VLLMBackend:
         self.scratch.mkdir(parents=True)
         self.engine = None
         if hs.mode == "managed":
-            from tokenmill.generate.launch import ManagedEngine
+            from tokenmill.engines.launch import ManagedEngine
 
             gen = settings.generation.raw
             launch = {

@@ -18,7 +18,7 @@ requests does not fill the engine's batch the way a shard does). Job hours = tok
 throughput; GPU-hours = job hours x GPUs per job (gpus x nnodes). Engine start-up (once per job)
 is not included. The largest shard's hours are compared with generation.resources.runtime_min.
 Each category's generate jobs: the memory, runtime, CPUs and GPUs they ask for at attempts 1, 2
-and 3 (the profile's `retries: 2`), from generate/resources.py, the resolver the rule uses.
+and 3 (the profile's `retries: 2`), from jobs/resources.py, the resolver the rule uses.
 
 A `context: regenerated` category (docs/multi-turn.md) counts conversations as prompts; its
 requests still to send are the turns not journaled yet, found by replaying the journal as the
@@ -57,7 +57,7 @@ import pyarrow.parquet as pq
 
 from tokenmill import contracts, keys, layout
 from tokenmill.generate import conversations, job, journal
-from tokenmill.generate.resources import category_resources, gpus_per_job, job_resources
+from tokenmill.jobs.resources import category_resources, gpus_per_job, job_resources
 from tokenmill.redaction import redact
 from tokenmill.settings import ConfigError, Settings, load_config_file
 
@@ -130,7 +130,7 @@ class CategoryPlan:
     def _replay(self, name: str, path: Path):
         """The shard's conversations, replayed from the journal exactly as generate does, and
         the journaled records of their answered turns (by key)."""
-        from tokenmill.generate import engines
+        from tokenmill import engines
 
         gen, tok_cfg = self.settings.generation, self.settings.tokenizer
         stop_ids, _ = job.resolve_stop_ids(gen, tok_cfg, str(self.basedir), self.shard_metadata)
@@ -232,7 +232,7 @@ def _row(
         "gpus_per_job": gpus_per_job(config, cp.category),
         "runtime_min": res.runtime_min,
         # what each generate job of the category asks SLURM for, attempt by attempt (the rule's
-        # own resources: generate/resources.py)
+        # own resources: jobs/resources.py)
         "job_resources": job_request(config, cp.category),
         "job_hours": None,
         "gpu_hours": None,
@@ -448,9 +448,9 @@ def run_pilot(settings: Settings, basedir: Path, plans: dict, n: int) -> dict:
 
 
 async def _pilot(settings: Settings, basedir: Path, plans: dict, n: int) -> dict:
-    from tokenmill.generate import engines
+    from tokenmill import engines
+    from tokenmill.engines.launch import ExternalEngines, ManagedEngine
     from tokenmill.generate.client import Client, ClientOptions, Stats
-    from tokenmill.generate.launch import ExternalEngines, ManagedEngine
 
     gen = settings.generation
     api = engines.for_config(gen)
@@ -549,8 +549,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
+    from tokenmill.engines.launch import EngineError
     from tokenmill.generate.client import GenerationFailed
-    from tokenmill.generate.launch import EngineError
 
     try:
         plan = make_plan(config, basedir, a.throughput, a.pilot, a.keep, a.configfile)

@@ -12,8 +12,8 @@ import re
 
 import aiohttp
 
-from tokenmill.generate.engines.base import BadResponse, EngineAPI, get_json, has_flag
-from tokenmill.generate.engines.base import error_message as error_message
+from tokenmill.engines.base import BadResponse, EngineAPI, get_json, has_flag
+from tokenmill.engines.base import error_message as error_message
 from tokenmill.settings import GenerationSettings
 
 # SamplingParams fields accepted by the /generate contract gate (api_types.py); any other key is

@@ -3,9 +3,9 @@ registered here (and added to the `generation.engine` enum of the config schema)
 
 from __future__ import annotations
 
-from tokenmill.generate.engines.base import BadResponse, EngineAPI, error_message
-from tokenmill.generate.engines.sglang import SGLangAPI
-from tokenmill.generate.engines.vllm import VLLMAPI
+from tokenmill.engines.base import BadResponse, EngineAPI, error_message
+from tokenmill.engines.sglang import SGLangAPI
+from tokenmill.engines.vllm import VLLMAPI
 from tokenmill.settings import GenerationSettings, as_section
 
 ENGINES: dict[str, type[EngineAPI]] = {"sglang": SGLangAPI, "vllm": VLLMAPI}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from tokenmill.generate.engines.base import BadResponse, EngineAPI, get_json, has_flag
+from tokenmill.engines.base import BadResponse, EngineAPI, get_json, has_flag
 from tokenmill.settings import GenerationSettings
 
 # common name -> vLLM request field

@@ -5,7 +5,7 @@ never a shell string), a free port, its own process group, stdout/stderr appende
 {log_dir}/engine.log; ready when GET /health is 200 AND the engine's model endpoint answers
 (SGLang /model_info, vLLM /v1/models); the served model is checked against generation.model.
 Stop = SIGTERM to the group, wait, SIGKILL. What differs between engines (endpoints, default
-environment) comes from the engine's EngineAPI (tokenmill.generate.engines).
+environment) comes from the engine's EngineAPI (tokenmill.engines).
 
 Before the first request, both modes check the running server against the config: the model
 identity (`check_model`: the same weights under another path or name pass, other weights fail,
@@ -15,7 +15,7 @@ accepts, deterministic inference for seed_policy per_sample).
 
 Multi-node (launch.nnodes > 1, inside a SLURM allocation): the command runs through
 `srun --overlap --nodes=N --ntasks=N --ntasks-per-node=1 --kill-on-bad-exit=1
-python -m tokenmill.generate.launch task --argv-json ...`; each task substitutes {node_rank}
+python -m tokenmill.engines.launch task --argv-json ...`; each task substitutes {node_rank}
 and {dist_init_addr} from its SLURM environment and execs the engine. Requests go to node
 rank 0 (the first host of the job's nodelist). That srun gets a clean environment (the
 job's SLURM_* of the rule's own one-node step would confine it to that node), and the
@@ -43,8 +43,8 @@ from pathlib import Path
 
 import aiohttp
 
-from tokenmill.generate import engines
-from tokenmill.generate.engines import EngineAPI
+from tokenmill import engines
+from tokenmill.engines import EngineAPI
 from tokenmill.model import (
     content_difference,
     hub_cache_dir,
@@ -297,7 +297,7 @@ def task_argv(argv_template: list[str], env: dict, dist_port: int) -> list[str]:
 
 
 def task_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m tokenmill.generate.launch task")
+    p = argparse.ArgumentParser(prog="python -m tokenmill.engines.launch task")
     p.add_argument("--argv-json", required=True)
     p.add_argument("--dist-port", type=int, required=True)
     a = p.parse_args(argv)
@@ -498,7 +498,7 @@ class ManagedEngine:
         if nnodes > 1:
             # Checked here, on the node where rank 0 runs (the first of the job's nodes).
             self.dist_port = free_port_block(port + DIST_PORT_OFFSET)
-            wrapper = [sys.executable, "-m", "tokenmill.generate.launch", "task"]
+            wrapper = [sys.executable, "-m", "tokenmill.engines.launch", "task"]
             dist = ["--dist-port", str(self.dist_port)]
             return launcher_prefix(nnodes) + wrapper + ["--argv-json", json.dumps(argv)] + dist
         return substitute(argv, {"node_rank": 0, "dist_init_addr": f"127.0.0.1:{port + 1}"})
@@ -694,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "task":
         return task_main(argv[1:])
     print(
-        "usage: python -m tokenmill.generate.launch task --argv-json JSON --dist-port N",
+        "usage: python -m tokenmill.engines.launch task --argv-json JSON --dist-port N",
         file=sys.stderr,
     )
     return 2
