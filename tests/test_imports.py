@@ -5,6 +5,8 @@ bottom, stages in the middle, the command line and the Snakefile's helpers on to
   stage and nothing above it;
 - a stage imports no top module and no other module's private (underscore) names;
 - nothing but the entry point imports `tokenmill.cli`;
+- a stage imports only the stages before it in the pipeline's order (STAGE_ORDER), and no two
+  packages import each other, directly or through others;
 - no two modules import each other, directly or through others (function-level imports count).
 
 Read from the source with `ast`: nothing is imported, so the test costs milliseconds and a
@@ -25,6 +27,9 @@ SHARED = {"contracts", "guards", "keys", "launch_flags", "layout", "settings", "
           "engines", "jobs"}  # fmt: skip
 STAGES = {"prepare", "tokenization", "generate", "dataset", "provenance", "hidden_states"}
 TOP = {"cli", "config", "plan", "retire", "run_summary", "workflow_support", "__main__"}
+# The stages in the pipeline's order: a stage may import those before it, never one after it.
+STAGE_ORDER = ("prepare", "tokenization", "generate", "dataset", "hidden_states", "provenance")
+assert set(STAGE_ORDER) == STAGES
 TOOLING = {"testing"}  # demo and test tooling: may use anything, nothing in production uses it
 
 
@@ -151,20 +156,23 @@ def test_stages_import_neither_the_top_nor_private_names(module):
     assert not bad, f"{module} imports from the top layer or another module's private names: {bad}"
 
 
-def test_only_the_entry_point_imports_cli():
-    users = [
-        m
-        for m in MODULES
-        if m != "tokenmill.__main__" and any(t == "tokenmill.cli" for t, *_ in _imports(m))
+def _part(module: str) -> str:
+    """A module's package (its first folder, or the module itself) under tokenmill."""
+    return module.split(".")[1] if "." in module else module
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _layer(m) == "stage"))
+def test_stages_import_only_earlier_stages(module):
+    rank = STAGE_ORDER.index(_part(module))
+    bad = [
+        f"line {line}: {target}"
+        for target, _, line in _imports(module)
+        if _layer(target) == "stage" and STAGE_ORDER.index(_part(target)) > rank
     ]
-    assert not users, f"modules importing tokenmill.cli (only __main__ may): {users}"
+    assert not bad, f"{module} imports a later stage ({' < '.join(STAGE_ORDER)}): {bad}"
 
 
-def test_no_import_cycles():
-    graph = {m: {t for t, *_ in _imports(m) if t in MODULES} for m in MODULES}
-    # a package's __init__ re-exporting its modules is not a cycle of logic
-    for m in graph:
-        graph[m] = {t for t in graph[m] if not m.startswith(t + ".")}
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     cycles, state, stack = [], {}, []
 
     def visit(m):
@@ -181,6 +189,35 @@ def test_no_import_cycles():
     for m in sorted(graph):
         if m not in state:
             visit(m)
+    return cycles
+
+
+def test_no_package_cycles():
+    """Packages (stage folders, engines, jobs) and top modules form no cycle either."""
+    graph: dict[str, set[str]] = {}
+    for m in MODULES:
+        graph.setdefault(_part(m), set()).update(
+            _part(t) for t, *_ in _imports(m) if _part(t) != _part(m)
+        )
+    cycles = _cycles(graph)
+    assert not cycles, "package cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_only_the_entry_point_imports_cli():
+    users = [
+        m
+        for m in MODULES
+        if m != "tokenmill.__main__" and any(t == "tokenmill.cli" for t, *_ in _imports(m))
+    ]
+    assert not users, f"modules importing tokenmill.cli (only __main__ may): {users}"
+
+
+def test_no_import_cycles():
+    graph = {m: {t for t, *_ in _imports(m) if t in MODULES} for m in MODULES}
+    # a package's __init__ re-exporting its modules is not a cycle of logic
+    for m in graph:
+        graph[m] = {t for t in graph[m] if not m.startswith(t + ".")}
+    cycles = _cycles(graph)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
@@ -210,3 +247,16 @@ def test_the_checks_see_violations(tmp_path, monkeypatch):
     ]
     with pytest.raises(AssertionError, match="cycles"):
         test_no_import_cycles()
+    # A stage importing a later one, and two packages importing each other.
+    (fake / "dataset").mkdir()
+    (fake / "dataset" / "__init__.py").write_text("")
+    (fake / "dataset" / "merge.py").write_text("")
+    (fake / "generate" / "other.py").write_text("from tokenmill.dataset import merge\n")
+    (fake / "dataset" / "stats.py").write_text("from tokenmill.generate import other\n")
+    modules = {_module_name(p): p for p in sorted(fake.rglob("*.py"))}
+    monkeypatch.setattr(this, "MODULES", modules)
+    with pytest.raises(AssertionError, match="imports a later stage"):
+        test_stages_import_only_earlier_stages("tokenmill.generate.other")
+    test_stages_import_only_earlier_stages("tokenmill.dataset.stats")
+    with pytest.raises(AssertionError, match="package cycles: dataset -> generate -> dataset"):
+        test_no_package_cycles()
