@@ -344,6 +344,7 @@ class Client:
         # Fail fast: the signature every failure so far had, the prompts and attempts behind
         # it; disarmed for good by a success or by a different deterministic failure.
         self._ff_armed = True
+        self._stopping = False  # set when the run fails fast (_fail_fast)
         self._ff_signature: tuple | None = None
         self._ff_prompts: list[str] = []
         self._ff_attempts = 0
@@ -363,6 +364,8 @@ class Client:
         return self.api.build_request(url, item.prompt_ids, item.seed, new_rid(item.key))
 
     async def _once(self, session: aiohttp.ClientSession, item: Item, attempt: int):
+        if self._stopping:  # the run failed fast: not one request more than its message says
+            raise asyncio.CancelledError
         url = self._pick_url()
         self._in_flight[url] += 1
         self.stats.in_flight += 1
@@ -432,6 +435,7 @@ class Client:
             return
         status, msg = self._ff_signature
         sent = self.stats.requested
+        self._stopping = True  # other workers may run before the main loop cancels them
         raise FailFast(
             f"none of the first {plural(sent, 'request')} of this job succeeded; the "
             f"{self._ff_attempts} answered (prompts {', '.join(self._ff_prompts[:5])}) all "
