@@ -1,16 +1,28 @@
-"""A deterministic failure is paid once (tokenmill/generate/failure.py): a job that failed fast
-(every request answered with the same 500) records it next to the shard's journal; the next
-attempt with the same config exits at once, before any engine starts or request is sent, naming
-the first attempt's message. A changed config (operational keys too) or deleting the record
-retries; a transient failure is never recorded; a successful run deletes the record."""
+"""A deterministic failure is paid once (tokenmill/jobs/harness.py, the identity from
+tokenmill/generate/failure.py): a job that failed fast (every request answered with the same
+500) records it in the shard's harness folder; the next attempt with the same config exits at
+once, before any engine starts or request is sent, naming the first attempt's message. A
+changed config (operational keys too) or deleting the record retries; a transient failure is
+never recorded; a successful run deletes the record. Every attempt, the refused ones too, is in
+the shard's attempts record with its status and cause."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from test_generate import Run, _complete
 
-from tokenmill.generate import failure
+from tokenmill.jobs.harness import read_attempts
+from tokenmill.layout import Layout
+
+
+def failure_path(journal_dir, category, shard) -> Path:
+    return Path(Layout("results", str(journal_dir)).failure_record("generate", category, shard))
+
+
+def attempts(journal_dir) -> list:
+    return read_attempts(Layout("results", str(journal_dir)).attempts("generate", "chat", "003"))
 
 
 def _engine_starts(r: Run) -> int:
@@ -24,16 +36,22 @@ def test_a_fail_fast_is_not_paid_twice_until_the_config_changes(tmp_path):
     assert "all failed with the same answer, HTTP 500" in out
     first = r.requests()
     assert 0 < first <= 8 + 3
-    rec = failure.failure_path(r.journal_dir, "chat", "003")
+    rec = failure_path(r.journal_dir, "chat", "003")
     body = json.loads(rec.read_text())
-    assert "HTTP 500" in body["message"] and body["generation_fingerprint"]
+    assert "HTTP 500" in body["message"] and body["identity"]["generation_fingerprint"]
     assert _engine_starts(r) == 1
+    (first_attempt,) = attempts(r.journal_dir)
+    assert (first_attempt.status, first_attempt.deterministic) == ("failed", True)
+    assert "all failed with the same answer, HTTP 500" in first_attempt.cause
 
     for _ in range(2):  # the scheduler's retries: no engine, no request
         out = r.run(expect_rc=1)
         assert "an earlier attempt" in out and "not starting an engine" in out, out
         assert "HTTP 500: 'Internal Server Error'" in out and str(rec) in out
     assert r.requests() == first and _engine_starts(r) == 1
+    refused = attempts(r.journal_dir)[1:]
+    assert [a.status for a in refused] == ["refused", "refused"]
+    assert all("an earlier attempt" in a.cause and "HTTP 500" in a.cause for a in refused)
 
     r.gen["concurrency"] = 4  # an operational change: tried again (and fails fast again)
     r.run(expect_rc=1)
@@ -59,4 +77,4 @@ def test_a_transient_failure_is_not_recorded(tmp_path):
     r.run(expect_rc=1)
     r.run(expect_rc=1)
     assert _engine_starts(r) == 2
-    assert not failure.failure_path(r.journal_dir, "chat", "003").exists()
+    assert not failure_path(r.journal_dir, "chat", "003").exists()

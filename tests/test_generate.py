@@ -62,6 +62,7 @@ class Run:
         shard="003",
         journal_dir=None,
         counter=None,
+        jobs=None,
         **gen_over,
     ):
         self.tmp = tmp
@@ -93,15 +94,24 @@ class Run:
             "progress_interval_s": 0.5,
         }
         self.gen.update(gen_over)
+        self.jobs = dict(jobs or {})  # the harness's settings (jobs.lock_wait_s, ...)
+        self.tokenizer = {"path": "unused"}
         self.out = {k: tmp / f"{k}" for k in ("g.parquet", "r.parquet", "m.json")}
 
+    def config(self) -> dict:
+        """The whole config the job is given (--config-json), as the rule gives it."""
+        return {
+            "tokenizer": self.tokenizer,
+            "categories": {"chat": {"sources": ["unused"], "format": "messages"}},
+            "generation": self.gen,
+            "jobs": self.jobs,
+        }
+
     def argv(self):
-        (self.tmp / "gen.json").write_text(json.dumps(self.gen))
-        (self.tmp / "tok.json").write_text(json.dumps({"path": "unused"}))
+        (self.tmp / "config.json").write_text(json.dumps(self.config()))
         return [
             sys.executable, "-m", "tokenmill", "generate",
-            "--generation-config", str(self.tmp / "gen.json"),
-            "--tokenizer-config", str(self.tmp / "tok.json"),
+            "--config-json", str(self.tmp / "config.json"),
             "--category", "chat", "--shard", self.shard,
             "--tokenized", str(self.tokenized),
             "--out", str(self.out["g.parquet"]), "--rejected", str(self.out["r.parquet"]),
@@ -569,8 +579,8 @@ def test_string_stop_tokens_resolved_with_the_tokenizer(tmp_path):
     if not (repo / "sample" / "model").is_dir():
         pytest.skip("sample/model (the tiny demo tokenizer) is not in this checkout")
     r = Run(tmp_path, n=3, stop_tokens=["<|im_end|>"])
+    r.tokenizer = {"path": "sample/model"}
     argv = r.argv()
-    (tmp_path / "tok.json").write_text(json.dumps({"path": "sample/model"}))
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     p = subprocess.run(argv + ["--basedir", str(repo)], env=env, capture_output=True, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -698,7 +708,7 @@ def test_changed_shard_count_moves_records_once(tmp_path):
     moved = metas[0]["journal"]["migration"]
     assert moved["from_shards"] == 2 and moved["to_shards"] == 3
     assert moved["records_moved"] >= 30
-    assert [m["journal"]["migration"] for m in metas[1:]] == [None, None]
+    assert [m["journal"].get("migration") for m in metas[1:]] == [None, None]
     manifest = json.loads((jdir / "chat" / journal.MANIFEST).read_text())
     assert manifest["num_shards"] == 3 and len(manifest["migrations"]) == 1
     for s, m in enumerate(metas):
@@ -886,19 +896,19 @@ def test_journal_stays_within_a_small_factor_of_the_generated_data(tmp_path):
 
 
 def test_held_resources_record_what_the_job_was_given():
-    """meta["held"] (the GPUs that dataset/stats.py counts): a SLURM allocation's own numbers,
-    else the job's config (the category's override x launch.nnodes); none for external
-    servers. The engine version is the one its server_info reports."""
-    from tokenmill.generate.job import held_resources
-    from tokenmill.settings import ENV_CONFIG, load_section
+    """The record's `held` (the GPUs that dataset/stats.py counts, jobs/harness.py held): a
+    SLURM allocation's own numbers, else the job's config (the category's override x
+    launch.nnodes); none for external servers. The engine version is the one its server_info
+    reports."""
+    from argparse import Namespace
 
-    gen = load_section({"model": "m", "resources": {"gpus": 2}, "launch": {"nnodes": 2}},
-                       "generation")  # fmt: skip
-    meta = {"server_info": {"version": "0.5.23"}}
+    from tokenmill.generate.job import engine_version
+    from tokenmill.generate.stage import load_settings
+    from tokenmill.jobs.harness import held as held_by
 
-    def held(env, g=gen, m=meta):
-        h = held_resources(g, "chat", m, env)
-        return h["gpus_per_node"], h["nodes"], h["gpus"], h["engine_version"]
+    def held(env, managed=True, per_node=2, version="0.5.23"):
+        h = held_by(managed, per_node, 2, "config", version, env)
+        return h.gpus_per_node, h.nodes, h.gpus, h.engine_version
 
     slurm = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2"}
     assert held(slurm | {"SLURM_GPUS_ON_NODE": "4"}) == (4, 2, 8, "0.5.23")
@@ -907,13 +917,22 @@ def test_held_resources_record_what_the_job_was_given():
     assert held({"SLURM_JOB_ID": "7"}) == (0, 1, 0, "0.5.23")  # a CPU allocation
     # no allocation: the config the job was started with, the category's override first
     assert held({}) == (2, 2, 4, "0.5.23")
-    config = {"categories": {"chat": {"resources": {"gpus": 3}}, "code": {}}}
-    assert held({ENV_CONFIG: json.dumps(config)}) == (3, 2, 6, "0.5.23")
-    assert held({}, m={}) == (2, 2, 4, None)  # the engine never started: no version
-    ext = load_section({"mode": "external", "external": {"urls": ["http://a", "http://b"]}},
-                       "generation")  # fmt: skip
-    infos = {"server_info": {"http://a": {"version": "1"}, "http://b": {"version": "1"}}}
-    assert held(slurm | {"SLURM_GPUS_ON_NODE": "4"}, ext, infos) == (None, None, None, "1")
+    config = {
+        "tokenizer": {"path": "t"},
+        "generation": {"model": "m", "resources": {"gpus": 2}, "launch": {"nnodes": 2}},
+        "categories": {c: {"sources": ["x"], "format": "messages"} for c in ("chat", "code")},
+    }
+    config["categories"]["chat"]["resources"] = {"gpus": 3}
+    args = Namespace(config_json=json.dumps(config), category="chat")
+    gen, _, resources, jobs, source = load_settings(args)
+    assert (resources.gpus, gen.launch.nnodes, jobs.lock_wait_s) == (3, 2, 3600)
+    assert source == "categories.chat.resources over "
+    assert load_settings(Namespace(config_json=json.dumps(config), category="code"))[2].gpus == 2
+    assert engine_version(None, True) is None  # the engine never started: no version
+    infos = {"http://a": {"version": "1"}, "http://b": {"version": "1"}}
+    assert engine_version(infos, False) == "1"
+    ext = held(slurm | {"SLURM_GPUS_ON_NODE": "4"}, managed=False, version="1")
+    assert ext == (None, None, None, "1")
 
 
 def test_timing_separates_startup_from_the_generation_window(tmp_path):
@@ -923,7 +942,8 @@ def test_timing_separates_startup_from_the_generation_window(tmp_path):
     assert t["engine_start_s"] >= 1.5 and t["startup_s"] >= t["engine_start_s"]
     assert t["generation_s"] < 1.5  # 40 requests of 20 ms at 4 in flight: about 0.2 s
     assert t["startup_s"] + t["generation_s"] + t["write_s"] <= t["total_s"] + 0.01
-    assert r.meta()["wall_time_s"] == t["total_s"]
+    (attempt,) = r.meta()["attempts"]  # this job's only attempt: its wall time is the cost's
+    assert attempt["status"] == "ok" and attempt["wall_s"] >= t["total_s"] - 0.01
     rates = r.meta()["rates"]
     assert rates["requests_per_s"] == pytest.approx(40 / t["generation_s"], rel=0.01)
     held = r.meta()["held"]  # what the job held, for the cost figures (no SLURM here: config)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -107,7 +107,10 @@ def _messages(text: str) -> str:
 
 
 def _guard_lines(text: str) -> list[str]:
-    return sorted({line.strip() for line in text.splitlines() if guards.GUARD_PREFIX in line})
+    """The guards' own lines (the jobs' logs, which Snakemake prints)."""
+    return sorted(
+        {x.strip() for x in text.splitlines() if x.strip().startswith(guards.GUARD_PREFIX)}
+    )
 
 
 @pytest.mark.e2e
@@ -141,11 +144,14 @@ def test_empty_broken_and_over_share_sources_fail_the_run_and_leave_nothing_comp
     assert re.search(
         r"stage tokenize: 12 of 12 rejected \(100\.0% > reject_limits\.tokenize", long_line
     )
-    # the end-of-run summary repeats each guard line once, then the counts and where to look
+    # the run's last ten lines name each failed job: stage, category, the guard's line, log
+    last = [x.strip() for x in out.strip().splitlines()[-10:]]
+    for stage, c, guard in (("prepare", "empty", empty), ("prepare", "broken", broken_line),
+                            ("tokenize", "long", long_line)):  # fmt: skip
+        assert f"{stage} {c}: {guard} (log results/logs/{stage}/{c}.log)" in last, last
     summary = out[out.index("tokenmill: run FAILED") :]
-    tail = out[: out.index("tokenmill: run FAILED")].splitlines()[-3:]
-    assert sorted(x.strip() for x in tail) == lines
-    assert "long: stopped by its guard (above)" in summary and "job logs: results/logs" in summary
+    assert "  long: tokenize failed (1 job, cause below); not merged yet\n" in summary, summary
+    assert "job logs: results/logs" in summary
     # nothing half-written: the failed rules' outputs do not exist, and Snakemake still sees
     # those jobs as to do
     res = workdir / "results"
@@ -206,19 +212,44 @@ def _summary_settings(results, categories):
 
 
 def test_summary_of_a_partial_results_folder(tmp_path):
+    """The closing summary reads the declared files and the jobs' records: a failed CPU job's
+    guard line (its log, its output absent), a failed GPU job's last attempt, each with its
+    stage, category, shard and log, LAST; an earlier run's failure is not this run's."""
+    from tokenmill import contracts
+    from tokenmill.jobs import harness
+
     res = tmp_path / "results"
     (res / "rejected" / "merge" / "c").mkdir(parents=True)
     rows = [rejected_row("merge", "c", "truncated", "cut", None, f"p{i}") for i in range(3)]
     _rejected_file(res / "rejected" / "merge" / "c" / "000.parquet", rows)
-    (res / "logs").mkdir()
-    (res / "logs" / "x.log").write_text(f"noise\n{guards.GUARD_PREFIX} category 'c', stage x\n")
     lay, two = _summary_settings(res, ["c", "d"])
-    lines = run_summary.summary_lines(lay, two, ok=False)
+    merge_log = Path(lay.log("merge", "c", "000"))
+    merge_log.parent.mkdir(parents=True)
+    merge_log.write_text(f"noise\n{guards.GUARD_PREFIX} category 'c' shard 000, stage merge\n")
+    attempt = contracts.Attempt(
+        stage="generate", category="d", shard="000", id="h:1:1", host="h", pid=1,
+        slurm=contracts.SlurmJob(None, None, 0, None), started=harness.now_iso(),
+        ended=harness.now_iso(), status="failed", cause="engine exited at start: CUDA OOM",
+        deterministic=False, gpus=1, wall_s=3.0, log="logs/generate/d/000/generate.log",
+    )  # fmt: skip
+    harness.append_attempt(Path(lay.attempts("generate", "d", "000")), attempt)
+    since = time.time() - 60
+    lines = run_summary.summary_lines(lay, two, ok=False, since=since)
     text = "\n".join(lines)
-    assert lines[0] == f"{guards.GUARD_PREFIX} category 'c', stage x"
-    assert "c: stopped by its guard (above), 3 rejected (merge truncated 3); 3 truncated" in text
-    assert "d: not merged yet, 0 rejected" in text
-    shutil.rmtree(res / "logs")
+    assert lines[0] == "tokenmill: run FAILED; per category:"
+    # a failed stage's rejections are its cause's (the guard removed its outputs), not a count
+    assert "  c: merge failed (1 job, cause below); not merged yet\n" in text, text
+    assert "  d: generate failed (1 job, cause below); not merged yet\n" in text, text
+    assert lines[-3] == "tokenmill: 2 jobs failed; the cause of each:", lines
+    assert lines[-2] == (
+        "  generate d/000: engine exited at start: CUDA OOM (log logs/generate/d/000/generate.log)"
+    )
+    assert lines[-1] == (
+        f"  merge c/000: {guards.GUARD_PREFIX} category 'c' shard 000, stage merge (log "
+        f"{merge_log})"
+    )
+    later = run_summary.summary_lines(lay, two, ok=False, since=since + 3600)  # a later run's
+    assert "failed" not in "\n".join(later[1:]), later
     lines = run_summary.summary_lines(*_summary_settings(res, ["c"]), ok=True)
     text = "\n".join(lines)
     assert lines[0] == "tokenmill: run finished; per category:"

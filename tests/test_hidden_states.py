@@ -21,6 +21,7 @@ import yaml
 from helpers import tool_env
 
 from tokenmill import contracts
+from tokenmill import layout as run_layout
 from tokenmill.config import ConfigError, check_config, outputs_config
 from tokenmill.hidden_states import job, layout
 from tokenmill.settings import Settings
@@ -287,7 +288,7 @@ def test_sigkill_five_times_then_every_row_once_and_byte_equal(model8, tmp_path)
     assert len(reference) == 2 * n + 1 + 3  # two layouts, manifest, the rows folder
 
     out, journal = tmp_path / "out", tmp_path / "journal"
-    jfile = journal / "hidden_states" / "c" / "000.jsonl"
+    jfile = Path(run_layout.Layout("results", str(journal)).hidden_states_journal("c", "000"))
     rng = random.Random(21)
     done_before = []
     for kill in range(5):

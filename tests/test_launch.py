@@ -502,14 +502,12 @@ def test_task_wrapper_substitutes_rank_and_head(tmp_path):
 
 def test_multinode_launch_with_injected_prefix(tmp_path, monkeypatch):
     # A local stand-in for srun: one task (rank 0) with fake SLURM variables.
-    monkeypatch.setenv(
-        "TOKENMILL_LAUNCHER_PREFIX",
-        json.dumps(["env", "SLURM_PROCID=0", "SLURM_NODEID=0", "SLURM_JOB_NODELIST=127.0.0.1"]),
-    )
     monkeypatch.setenv("SLURM_JOB_NODELIST", "127.0.0.1")
     gen = _gen("--nnodes", "{nnodes}", "--node-rank", "{node_rank}")
     gen["launch"]["command"] += ["--dist-init-addr", "{dist_init_addr}"]
     gen["launch"]["nnodes"] = 2
+    launcher = ["env", "SLURM_PROCID=0", "SLURM_NODEID=0", "SLURM_JOB_NODELIST=127.0.0.1"]
+    gen["launch"]["launcher"] = launcher
     e = eng.ManagedEngine(gen, tmp_path)
     argv = e.build_argv(31000)
     assert argv[:4] == ["env", "SLURM_PROCID=0", "SLURM_NODEID=0", "SLURM_JOB_NODELIST=127.0.0.1"]
@@ -531,7 +529,6 @@ def test_engine_srun_gets_a_clean_slurm_environment(tmp_path, monkeypatch):
     dump = tmp_path / "env.json"
     shim = f"import json, os, sys; json.dump(dict(os.environ), open({str(dump)!r}, 'w'));"
     shim += " os.execvp(sys.argv[1], sys.argv[1:])"
-    monkeypatch.setenv("TOKENMILL_LAUNCHER_PREFIX", json.dumps([sys.executable, "-c", shim]))
     step = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_NODELIST": "127.0.0.1",
             "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1", "SLURM_CPUS_PER_TASK": "2",
             "SRUN_DEBUG": "3", "SBATCH_EXPORT": "ALL", "SLURM_CONF": "/etc/slurm/x.conf",
@@ -540,6 +537,7 @@ def test_engine_srun_gets_a_clean_slurm_environment(tmp_path, monkeypatch):
         monkeypatch.setenv(k, v)
     gen = _gen("--nnodes", "{nnodes}", "--node-rank", "{node_rank}")
     gen["launch"]["nnodes"] = 2
+    gen["launch"]["launcher"] = [sys.executable, "-c", shim]
     e = eng.ManagedEngine(gen, tmp_path)
     asyncio.run(e.start())
     e.stop(grace_s=5)
@@ -590,8 +588,8 @@ def test_head_is_the_jobs_first_node_at_its_address(tmp_path, monkeypatch):
     ]
 
 
-def test_default_launcher_is_srun(monkeypatch):
-    monkeypatch.delenv("TOKENMILL_LAUNCHER_PREFIX", raising=False)
+def test_default_launcher_is_srun():
+    assert eng.launcher_prefix(2, ["mpirun", "-np", "2"]) == ["mpirun", "-np", "2"]
     assert eng.launcher_prefix(2) == [
         "srun",
         "--overlap",

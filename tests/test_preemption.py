@@ -133,16 +133,17 @@ def test_a_job_that_can_never_start_fails_the_run_naming_it(slurm, tmp_path):
 
 
 def test_starts_only_for_the_slurm_executor(slurm, tmp_path, monkeypatch):
+    from tokenmill.settings import load_section
+
+    hourly = load_section({"preemption_watch_s": 3600}, "jobs")
     local = SimpleNamespace(executor_plugin=SimpleNamespace(name="local", cli_prefix="local"))
-    assert preemption.start_for_workflow(local, tmp_path) is None
+    assert preemption.start_for_workflow(local, hourly, tmp_path) is None
     dry = SimpleNamespace(executor_plugin=None)
-    assert preemption.start_for_workflow(dry, tmp_path) is None
+    assert preemption.start_for_workflow(dry, hourly, tmp_path) is None
     on_slurm = SimpleNamespace(executor_plugin=SimpleNamespace(name="slurm", cli_prefix="slurm"))
-    monkeypatch.setenv("TOKENMILL_PREEMPT_WATCH", "0")
-    assert preemption.start_for_workflow(on_slurm, tmp_path) is None
-    monkeypatch.setenv("TOKENMILL_PREEMPT_WATCH", "1")
-    monkeypatch.setenv("TOKENMILL_PREEMPT_WATCH_S", "3600")
-    dog = preemption.start_for_workflow(on_slurm, tmp_path)
+    off = load_section({"preemption_watch": False}, "jobs")
+    assert preemption.start_for_workflow(on_slurm, off, tmp_path) is None
+    dog = preemption.start_for_workflow(on_slurm, hourly, tmp_path)
     try:
         assert dog is not None and dog.is_alive() and dog.daemon
     finally:

@@ -17,7 +17,7 @@ from tokenmill.contracts import PROMPTS, REJECTED, read_metadata
 from tokenmill.prepare import formats
 from tokenmill.prepare import stage as prep
 from tokenmill.prepare.sources import SourceError, iter_source
-from tokenmill.settings import ENV_CONFIG, load_section
+from tokenmill.settings import load_section
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,11 +33,13 @@ def qa(i: int, answer: str = "a") -> dict:
     return {"instruction": f"question {i}", "input": "", "output": answer}
 
 
-def run_cli(tmp_path, category: dict, basedir=None, name="cat", tag=""):
+def run_cli(tmp_path, category: dict, basedir=None, name="cat", tag="", reject_limits=None):
     out = tmp_path / f"out{tag}" / f"{name}.parquet"
     rej = tmp_path / f"rej{tag}" / f"{name}.parquet"
     argv = ["--category", name, "--category-config", json.dumps(category)]
     argv += ["--out", str(out), "--rejected", str(rej), "--basedir", str(basedir or tmp_path)]
+    if reject_limits is not None:
+        argv += ["--reject-limits", json.dumps(reject_limits)]
     rc = prep.main(argv)
     return rc, out, rej
 
@@ -211,15 +213,18 @@ def test_max_prompts_is_seeded_and_edit_stable(tmp_path):
     assert {p["prompt_id"] for p in read(out3)} != set(before)
 
 
-def test_all_rejected_still_writes_both_files(tmp_path, monkeypatch, capsys):
+def test_all_rejected_still_writes_both_files(tmp_path, capsys):
     write_jsonl(tmp_path / "bad.jsonl", ["nope", "[1, 2]"])
     # the guard (reject_limits.prepare) fails a category that keeps nothing, leaving no file
     rc, out, rej = run_cli(tmp_path, {"sources": ["bad.jsonl"], "format": "messages"})
     assert rc == 1 and not out.exists() and not rej.exists()
     assert "stage prepare: 2 of 2 rejected (100.0%): nothing kept" in capsys.readouterr().err
     # with the guard off, both files are written
-    monkeypatch.setenv(ENV_CONFIG, json.dumps({"prepare": {"max_fraction": 1.0}}))
-    rc, out, rej = run_cli(tmp_path, {"sources": ["bad.jsonl"], "format": "messages"})
+    # (the rules pass the run's whole config; a command given the section alone reads it too)
+    off = {"reject_limits": {"prepare": {"max_fraction": 1.0}}}
+    rc, out, rej = run_cli(
+        tmp_path, {"sources": ["bad.jsonl"], "format": "messages"}, reject_limits=off
+    )
     assert rc == 0
     assert read(out) == []
     assert [r["reason"] for r in read(rej)] == ["unparseable", "unparseable"]

@@ -37,7 +37,7 @@ def setup_run(tmp_path, monkeypatch):
     meta = json.loads(meta_path.read_text())
     meta.update(
         {
-            "argv": ["sglang", "--api-key", SECRET, "--port", "1"],
+            "engine_argv": ["sglang", "--api-key", SECRET, "--port", "1"],
             "server_info": {"api_key": SECRET, "note": f"Bearer {SECRET}"},
         }
     )
@@ -102,7 +102,7 @@ def test_provenance_contents_and_secret_scrubbing(tmp_path, monkeypatch):
     assert {j["slurm_job_id"] for j in m["jobs"]} == {"42"}
     assert m["times"]["start"] == "2024-01-01T00:00:00+00:00"
     chat_meta = next(e for e in m["engine"] if (e["category"], e["shard"]) == ("chat", "000"))
-    assert chat_meta["meta"]["argv"] == ["sglang", "--api-key", "<redacted>", "--port", "1"]
+    assert chat_meta["meta"]["engine_argv"] == ["sglang", "--api-key", "<redacted>", "--port", "1"]
     assert chat_meta["meta"]["server_info"]["api_key"] == "<redacted>"
     assert len(m["generated_samples"]["generated/chat/000.parquet"]) == 2
     # The draft vocabulary and the token counts: listed like every output, and summarized.

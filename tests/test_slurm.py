@@ -620,7 +620,7 @@ def test_requeued_job_restarts_under_its_id_and_resumes(faults):
 
 
 def test_multi_node_launch_gives_each_task_its_rank_and_the_head(pipeline, tmp_path, cluster):
-    """nnodes=2 on a one-node cluster: the launcher prefix (TOKENMILL_LAUNCHER_PREFIX,
+    """nnodes=2 on a one-node cluster: the launcher (generation.launch.launcher,
     engines/launch.py) runs the two ranks as two tasks of one srun step on the same node, and
     --set-resources keeps the job on the one node (the rule asks for nnodes nodes)."""
     workdir = fresh_copy(
@@ -628,20 +628,16 @@ def test_multi_node_launch_gives_each_task_its_rank_and_the_head(pipeline, tmp_p
     )
     command = ["{python}", PROBE, "--node-rank", "{node_rank}", "--dist-init-addr",
                "{dist_init_addr}", "--nnodes", "{nnodes}", *PROBE_COMMAND[2:]]  # fmt: skip
+    prefix = ["srun", "--overlap", "--nodes=1", "--ntasks=2", "--kill-on-bad-exit=1"]
     config = make_config(
-        launch={"command": command, "nnodes": 2, "host": "0.0.0.0"},
+        launch={"command": command, "nnodes": 2, "host": "0.0.0.0", "launcher": prefix},
         resources={"gpus": 0, "cpus": 2, "mem_mb": 2000, "runtime_min": 5},
     )
     cfg = write_config(workdir, config, "multinode.yaml")
-    prefix = ["srun", "--overlap", "--nodes=1", "--ntasks=2", "--kill-on-bad-exit=1"]
-    os.environ["TOKENMILL_LAUNCHER_PREFIX"] = json.dumps(prefix)
-    try:
-        one_node = ["--set-resources", "generate_shard:nodes=1"]
-        target = "results/generated/code/000.parquet"
-        # (after the target: --set-resources takes several values)
-        rc, out = run(workdir, snakemake_cmd(300, cfg, target, *one_node), "mn", 360)
-    finally:
-        del os.environ["TOKENMILL_LAUNCHER_PREFIX"]
+    one_node = ["--set-resources", "generate_shard:nodes=1"]
+    target = "results/generated/code/000.parquet"
+    # (after the target: --set-resources takes several values)
+    rc, out = run(workdir, snakemake_cmd(300, cfg, target, *one_node), "mn", 360)
     assert rc == 0, tail(out) + "\n" + _generate_log(workdir, "code", "000")
     events = probe_events(workdir)
     starts = [e for e in events if e["event"] == "start"]

@@ -571,6 +571,7 @@ def preempted_runs(cluster2, slurm_conf_path, tokenized_workflow, tmp_path_facto
         launch={"env": {"TOKENMILL_PROBE_LOG": ts.PROBE_LOG,
                         "TOKENMILL_PROBE_DELAY_S": str(PREEMPT_DELAY_S)}},
     )  # fmt: skip
+    config["jobs"] = {"preemption_watch_s": 5}
     target = "results/generated/chat/000.parquet"
     runs, procs = {}, {}
     try:
@@ -579,9 +580,7 @@ def preempted_runs(cluster2, slurm_conf_path, tokenized_workflow, tmp_path_facto
             cfg = ts.write_config(workdir, config)
             layer = site_layer(workdir, slurm_partition=partition)
             cmd = pipeline_cmd(600, cfg, layer, target)
-            procs[mode] = start_run(
-                workdir, cmd, mode, slurm_conf_path, TOKENMILL_PREEMPT_WATCH_S="5"
-            )
+            procs[mode] = start_run(workdir, cmd, mode, slurm_conf_path)
             runs[mode] = {"workdir": workdir}
         deadline = time.monotonic() + 300
         while not all(ts.journal_records(r["workdir"], "chat", "000") >= 2 for r in runs.values()):
@@ -666,12 +665,13 @@ def test_a_job_preempted_five_times_under_cancel_completes_exactly_once(
         launch={"env": {"TOKENMILL_PROBE_LOG": ts.PROBE_LOG,
                         "TOKENMILL_PROBE_DELAY_S": str(PREEMPT5_DELAY_S)}},
     )  # fmt: skip
+    config["jobs"] = {"preemption_watch_s": 5}
     target = "results/generated/chat/000.parquet"
     workdir = workflow_from(tokenized_workflow, tmp_path / "wf")
     cfg = ts.write_config(workdir, config)
     layer = site_layer(workdir, slurm_partition="lowcancel")
     cmd = pipeline_cmd(900, cfg, layer, target)
-    proc, out = start_run(workdir, cmd, "cancel5", slurm_conf_path, TOKENMILL_PREEMPT_WATCH_S="5")
+    proc, out = start_run(workdir, cmd, "cancel5", slurm_conf_path)
     seen = PREEMPTION_SEEN["cancel"]
     at_preemption = []  # samples journaled when each preemption had been handled
     job = None

@@ -38,6 +38,44 @@ CONFIG = {
 }
 
 
+def job_record(cat: str, shard: str, wall: float, gen_s: float | None = None, gpus=None,
+               nodes: int = 1, from_journal: int = 0, attempts: int = 1) -> dict:  # fmt: skip
+    """A generate job record (contracts.GenerateJobRecord) of `attempts` attempts of `wall`
+    seconds each (the last one ok), on `gpus` GPUs per node (None: external servers)."""
+    total = None if gpus is None else gpus * nodes
+    slurm = contracts.SlurmJob("42", "node1", 0, None)
+    tries = [
+        contracts.Attempt(
+            stage="generate", category=cat, shard=shard, id=f"node1:1:{shard}:{i}",
+            host="node1", pid=1, slurm=slurm, started=f"2024-01-01T00:0{i}:00+00:00",
+            ended=f"2024-01-01T00:0{i}:{int(wall):02d}+00:00",
+            status="ok" if i == attempts - 1 else "failed",
+            cause=None if i == attempts - 1 else "boom", deterministic=False, gpus=total,
+            wall_s=wall, log="logs/generate.log",
+        )
+        for i in range(attempts)
+    ]  # fmt: skip
+    timing = contracts.GenerateTiming(
+        startup_s=0.0, generation_s=wall if gen_s is None else gen_s, write_s=0.0,
+        total_s=wall, imports_s=0.0, replay_s=0.0, engine_start_s=None,
+    )  # fmt: skip
+    held = contracts.Held(gpus, nodes if gpus is not None else None, total, "0.0-test", "test")
+    return contracts.GenerateJobRecord(
+        category=cat, shard=shard, generation_fingerprint="fp", mode="managed",
+        engine="sglang", context=None, start_time=tries[-1].started, end_time=tries[-1].ended,
+        host="node1", pid=1, slurm=slurm,
+        counts=contracts.GenerateCounts(from_journal=from_journal), timing=timing, rates=None,
+        held=held, attempts=tries, journal=contracts.JournalUse(dir="journal", compaction=None),
+        engine_started=True, server_info={"version": "0.0-test"},
+    ).to_json()  # fmt: skip
+
+
+def write_record(r: Path, cat: str, shard: str, **kw) -> None:
+    (r / "generated" / cat / f"{shard}.meta.json").write_text(
+        json.dumps(job_record(cat, shard, **kw))
+    )
+
+
 def _rejected(path: Path, stage, cat, pids, reason="bad"):
     rows = [{"stage": stage, "category": cat, "reason": reason, "prompt_id": p} for p in pids]
     contracts.write_table(contracts.rejected_table(rows), path, contracts.REJECTED, stage)
@@ -80,27 +118,14 @@ def build_results(root: Path) -> Path:
         ("chat", "001"): ({"c": [5, 3], "d": [6, 6, 6, 3]}, [("c", [8, 9], "length", 0)], ["d"]),
         ("code", "000"): ({"x": [5]}, [("x", [4, 10, 2], "stop", 0)], []),
     }
-    walls = {
-        ("chat", "000"): {"wall_time_s": 10.0},
-        ("chat", "001"): {"wall_time_s": 5.0},
-        ("code", "000"): {
-            "start_time": "2024-01-01T00:00:00+00:00",
-            "end_time": "2024-01-01T00:00:20+00:00",
-        },
-    }
+    walls = {("chat", "000"): 10.0, ("chat", "001"): 5.0, ("code", "000"): 20.0}
     for (cat, shard), (prompts, gens, gen_rej) in shards.items():
         tok = r / "tokenized" / cat / f"{shard}.parquet"
         write_tokenized(tok, prompts, cat, shard)
         gen = r / "generated" / cat / f"{shard}.parquet"
         rows = [gen_row(p, prompts[p], out, fin, cached=c) for p, out, fin, c in gens]
         write_generated(gen, rows, rejected=len(gen_rej))
-        meta = {
-            "server_info": {"version": "0.0-test"},
-            "host": "node1",
-            "slurm_job_id": "42",
-            **walls[(cat, shard)],
-        }
-        (r / "generated" / cat / f"{shard}.meta.json").write_text(json.dumps(meta))
+        write_record(r, cat, shard, wall=walls[(cat, shard)])
         grej = r / "rejected" / "generate" / cat / f"{shard}.parquet"
         _rejected(grej, "generate", cat, gen_rej, "engine_error")
         merge.merge_shard(
@@ -339,11 +364,8 @@ def test_unknown_is_null_never_a_made_up_number(tmp_path):
         t.schema.get_field_index("cached_tokens"), "cached_tokens", pa.nulls(1, pa.int32())
     )
     contracts.write_table(t, code, contracts.GENERATED, "generate", contracts.read_metadata(code))
-    meta = r / "generated" / "chat" / "000.meta.json"
-    timing = {"startup_s": 4.0, "generation_s": 6.0, "total_s": 10.0}
-    meta.write_text(json.dumps(json.loads(meta.read_text()) | {"timing": timing}))
-    meta = r / "generated" / "chat" / "001.meta.json"  # samples read back from the journal
-    meta.write_text(json.dumps(json.loads(meta.read_text()) | {"counts": {"from_journal": 1}}))
+    write_record(r, "chat", "000", wall=10.0, gen_s=6.0)  # start-up 4 s
+    write_record(r, "chat", "001", wall=5.0, from_journal=1)  # samples read back from the journal
 
     config = json.loads(json.dumps(CONFIG))
     s = _stats(r, config, tmp_path)
@@ -364,10 +386,10 @@ def test_unknown_is_null_never_a_made_up_number(tmp_path):
     md = (tmp_path / "stats" / "summary.md").read_text()
     assert "| code | stop: 1 | unknown |" in md
 
-    # A managed engine on GPUs: GPU-hours are wall time x the GPUs each job's meta says it held
-    # (start-up included); the config's resources are not read (they may have changed since).
-    _held(r, "chat", "000", 2)
-    _held(r, "chat", "001", 2)
+    # A managed engine on GPUs: GPU-hours are wall time x the GPUs each job's record says it
+    # held (start-up included); the config's resources are not read (they may have changed).
+    write_record(r, "chat", "000", wall=10.0, gen_s=6.0, gpus=2)
+    write_record(r, "chat", "001", wall=5.0, from_journal=1, gpus=2)
     config["generation"] = dict(GEN_CFG, mode="managed", resources={"gpus": 7})
     g = _stats(r, config, tmp_path)["categories"]["chat"]["generation"]
     assert g["gpus"] == 2 and g["gpu_hours"] == pytest.approx(15.0 * 2 / 3600, abs=1e-6)
@@ -375,9 +397,9 @@ def test_unknown_is_null_never_a_made_up_number(tmp_path):
 
     # One engine on 2 nodes of 4 GPUs each, and a category whose jobs held 1 GPU per node:
     # a job's GPUs are per node x nodes, and the overall GPU-hours add the categories up.
-    _held(r, "chat", "000", 4, nodes=2)
-    _held(r, "chat", "001", 4, nodes=2)
-    _held(r, "code", "000", 1, nodes=2)
+    write_record(r, "chat", "000", wall=10.0, gen_s=6.0, gpus=4, nodes=2)
+    write_record(r, "chat", "001", wall=5.0, from_journal=1, gpus=4, nodes=2)
+    write_record(r, "code", "000", wall=20.0, gpus=1, nodes=2)
     cats = CONFIG["categories"]  # today's resources differ: not read
     config["categories"] = {
         "chat": cats["chat"],
@@ -393,26 +415,14 @@ def test_unknown_is_null_never_a_made_up_number(tmp_path):
     assert o["gpu_hours"] == pytest.approx((15.0 * 8 + 20.0 * 2) / 3600, abs=1e-6)
 
 
-def _held(r: Path, cat: str, shard: str, per_node, nodes: int = 1, drop: bool = False) -> None:
-    """Record in a generate meta the GPUs its job held (generate/job.py held_resources)."""
-    path = r / "generated" / cat / f"{shard}.meta.json"
-    meta = json.loads(path.read_text())
-    meta.pop("held", None)
-    if not drop:
-        gpus = None if per_node is None else per_node * nodes
-        meta["held"] = {"gpus_per_node": per_node, "nodes": nodes, "gpus": gpus,
-                        "engine_version": "0.0-test", "source": "test"}  # fmt: skip
-    path.write_text(json.dumps(meta))
-
-
 def test_gpu_hours_come_from_what_each_job_held_not_the_config(tmp_path):
     """Two jobs of one category that held different GPUs (the config's resources changed
-    between them): each counts its own; the config's resources now change nothing; a meta
-    written before the record existed makes the GPU-hours unknown, not a guess."""
+    between them): each counts its own; the config's resources now change nothing. Every
+    attempt counts: a job that failed twice before it succeeded paid for three."""
     r = build_results(tmp_path)
-    _held(r, "chat", "000", 2)  # 10 s x 2 GPUs
-    _held(r, "chat", "001", 8)  # 5 s x 8 GPUs
-    _held(r, "code", "000", None)  # an external server: not the run's GPUs
+    write_record(r, "chat", "000", wall=10.0, gpus=2)  # 10 s x 2 GPUs
+    write_record(r, "chat", "001", wall=5.0, gpus=8)  # 5 s x 8 GPUs
+    write_record(r, "code", "000", wall=20.0, gpus=None)  # an external server: not the run's
     config = json.loads(json.dumps(CONFIG))
     sums = []
     for gpus in (1, 4):
@@ -425,12 +435,13 @@ def test_gpu_hours_come_from_what_each_job_held_not_the_config(tmp_path):
         sums.append(s["overall"]["generation"]["gpu_hours"])
     assert sums[0] == sums[1] == pytest.approx(60.0 / 3600, abs=1e-6)
 
-    _held(r, "chat", "001", None, drop=True)  # an older version's meta: no record
+    write_record(r, "chat", "001", wall=5.0, gpus=8, attempts=3)  # two failed attempts first
     s = _stats(r, config, tmp_path)
-    assert s["categories"]["chat"]["generation"]["gpu_hours"] is None
-    assert s["overall"]["generation"]["gpu_hours"] is None
+    chat = s["categories"]["chat"]["generation"]
+    assert chat["gpu_hours"] == pytest.approx((10.0 * 2 + 3 * 5.0 * 8) / 3600, abs=1e-6)
+    assert (chat["attempts"], chat["failed_attempts"], chat["wall_time_s"]) == (4, 2, 25.0)
     md = (tmp_path / "stats" / "summary.md").read_text()
-    assert "GPUs a job's meta does not record" in md
+    assert "| chat | length: 1, stop: 2 | 0.14 | 4 (2) | 25.00 |" in md, md
 
 
 @pytest.mark.parametrize("merge_start_id", [3, None])
@@ -446,7 +457,7 @@ def test_unterminated_reasoning_is_counted_as_reasoning(tmp_path, merge_start_id
     tok, gen = r / "tokenized" / "t" / "000.parquet", r / "generated" / "t" / "000.parquet"
     write_tokenized(tok, prompts, "t")
     write_generated(gen, [gen_row(p, prompts[p], outputs[p]) for p in prompts])
-    (r / "generated" / "t" / "000.meta.json").write_text(json.dumps({"wall_time_s": 1.0}))
+    write_record(r, "t", "000", wall=1.0)
     merge.merge_shard(
         tok,
         gen,
@@ -531,8 +542,9 @@ def test_card_rounds_its_statistics_and_describes_prompt_id_as_the_readme(tmp_pa
     summary = _stats(r, CONFIG, tmp_path)
     summary["categories"]["chat"]["lengths"]["prompt_tokens"]["mean"] = 288.8148
     summary["categories"]["chat"]["lengths"]["output_tokens"]["p99"] = 224.66
-    summary["overall"]["generation"] = {"output_tokens_per_s": 54.31234, "gpu_hours": 0.123456}
-    text = card.render(r, CONFIG, summary)
+    generation = summary["overall"]["generation"]
+    generation.update(output_tokens_per_s=54.31234, gpu_hours=0.123456)
+    text = card.render(r, CONFIG, contracts.StatsSummary.from_json(summary))
     chat = next(line for line in text.splitlines() if line.startswith("| chat |"))
     assert "| 288.8 |" in chat and "/ 224.7 |" in chat, chat
     assert "54.3 output tokens/s, 0.123 GPU-hours" in text

@@ -86,6 +86,10 @@ def test_profile_retries_are_the_only_count_and_a_fail_fast_is_paid_once(tmp_pat
     assert history.count("=== tokenmill generate attempt:") == 3, history[-4000:]
     assert (logs / "engine.log").read_text().count("engine start #") == 3
     assert counter.exists() is False
+    # the run's last ten lines say which job failed, why, and where its log is
+    last = "\n".join((run.stdout + run.stderr).strip().splitlines()[-10:])
+    assert "  generate chat/000: " in last and "exited" in last, last
+    assert "(log results/logs/generate/chat/000/generate.log)" in last, last
     # the runtime asked for grows with the attempt (generation.resources.runtime_min x attempt)
     runtimes = re.findall(r"runtime (\d+) min", history)
     assert len(set(runtimes)) == 3 and runtimes == sorted(runtimes, key=int), runtimes
@@ -101,6 +105,8 @@ def test_profile_retries_are_the_only_count_and_a_fail_fast_is_paid_once(tmp_pat
     first = re.findall(r"generate failed: none of the first (\d+) requests of this job", history)
     assert len(first) == 1, history[-4000:]
     assert history.count("an earlier attempt") == 2
+    last = "\n".join((run.stdout + run.stderr).strip().splitlines()[-10:])
+    assert "  generate chat/000: " in last and "an earlier attempt" in last, last
     # One engine start for the three attempts: every request went to the first attempt's
     # engine, at most what it had in flight (generation.concurrency 32) when it stopped. It was
     # 96 for the 3 attempts before.
@@ -130,6 +136,7 @@ def test_restarted_controller_waits_for_its_orphaned_job_and_completes(tmp_path)
         "{python}", fake_sglang.FAKE, "--model-path", "{model}", "--host", "{host}",
         "--port", "{port}", "--counter-file", str(counter), "--hold-file", str(hold),
     ]  # fmt: skip
+    config["jobs"] = {"lock_wait_s": 300, "lock_poll_s": 0.5}  # the newcomer waits that long
     (workdir / "run.yaml").write_text(yaml.safe_dump(config))
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", HF_HUB_OFFLINE="1")
     cmd = [str(BIN / "snakemake"), "--profile", "profiles/local", "--cores", "2"]
@@ -138,7 +145,7 @@ def test_restarted_controller_waits_for_its_orphaned_job_and_completes(tmp_path)
         first = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log_a, stderr=subprocess.STDOUT)
     second = holder = None
     try:
-        lock = workdir / "journal/chat/000.lock"  # journal_dir: journal
+        lock = workdir / "journal/_jobs/generate/chat/000/lock.json"  # journal_dir: journal
         deadline = time.monotonic() + 600
         while fake_sglang.count_requests(counter) < 5 and time.monotonic() < deadline:
             assert first.poll() is None, (tmp_path / "controller-a.log").read_text()[-3000:]
@@ -151,7 +158,6 @@ def test_restarted_controller_waits_for_its_orphaned_job_and_completes(tmp_path)
 
         unlock = snakemake(workdir, "--configfile", "run.yaml", "--unlock")
         assert unlock.returncode == 0, unlock.stderr[-2000:]
-        env.update(TOKENMILL_LOCK_WAIT_S="300", TOKENMILL_LOCK_POLL_S="0.5")
         second = subprocess.Popen(
             cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )

@@ -48,7 +48,8 @@ rule merge_shard:
         " --out {output.dataset:q} --rejected {output.rejected:q}"
         " --counts-out {output.counts:q}"
         ' --dataset-config {params.dataset:q} --generation-config "$TOKENMILL_GENERATION_JSON"'
-        " --token-facts {input.token_facts:q} > {log:q} 2>&1"
+        ' --token-facts {input.token_facts:q} --reject-limits "$TOKENMILL_CONFIG_JSON"'
+        " > {log:q} 2>&1"
 
 
 rule export_jsonl:

@@ -34,9 +34,9 @@ rule generate_shard:
         runtime=generate_resource("runtime"),
         qos=generate_resource("qos"),
         constraint=generate_resource("constraint"),
-    # Rerun on what shapes the tokens only; the whole generation section and the journal's
-    # location come from the environment (see common.smk): concurrency, retries, timeouts and
-    # resources can change without rerunning a shard.
+    # Rerun on what shapes the tokens only; the command loads the whole config from the
+    # environment (see common.smk): concurrency, retries, timeouts, resources and the harness's
+    # settings can change without rerunning a shard.
     params:
         tokenizer=tokenizer_json,
         generation_fingerprint=GENERATION_FINGERPRINT,
@@ -47,8 +47,8 @@ rule generate_shard:
         " ${{SLURM_RESTART_COUNT:-0}}) runtime {resources.runtime} min mem {resources.mem_mb}"
         ' MB ===" >> {params.log_dir:q}/generate.log; '
         "tokenmill generate --category {wildcards.category:q} --shard {wildcards.shard}"
-        ' --generation-config "$TOKENMILL_GENERATION_JSON" --tokenizer-config {params.tokenizer:q}'
-        " --tokenized {input.tokenized:q} --out {output.generated:q}"
+        ' --config-json "$TOKENMILL_CONFIG_JSON" --tokenized {input.tokenized:q}'
+        " --out {output.generated:q}"
         " --rejected {output.rejected:q} --meta {output.meta:q}"
         ' --journal-dir "$TOKENMILL_JOURNAL_DIR" --log-dir {params.log_dir:q} 2>&1'
         " | ( trap '' TERM INT; exec tee -a {params.log_dir:q}/generate.log ) > {log:q}"

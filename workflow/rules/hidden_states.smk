@@ -6,8 +6,11 @@ rule extract_hidden_states:
         dataset=dataset_shard,
     output:
         manifest=LAYOUT.hidden_states_manifest("{category}", "{shard}"),
+        record=LAYOUT.hidden_states_record("{category}", "{shard}"),
+    # As generate's: the current attempt's output (Snakemake's log), and every attempt's
+    # appended to hidden_states.log beside it.
     log:
-        LAYOUT.log("hidden_states", "{category}", "{shard}"),
+        LAYOUT.attempt_log("hidden_states", "{category}", "{shard}"),
     benchmark:
         LAYOUT.benchmark("hidden_states", "{category}", "{shard}")
     conda:
@@ -29,7 +32,12 @@ rule extract_hidden_states:
         out_dir=hidden_states_dir,
         log_dir=hidden_states_log_dir,
     shell:
+        'mkdir -p {params.log_dir:q}; echo "=== tokenmill hidden_states attempt: $(date -u'
+        " +%Y-%m-%dT%H:%M:%SZ) host $(hostname) SLURM job ${{SLURM_JOB_ID:-none}} (restart"
+        " ${{SLURM_RESTART_COUNT:-0}}) runtime {resources.runtime} min mem {resources.mem_mb}"
+        ' MB ===" >> {params.log_dir:q}/hidden_states.log; '
         "tokenmill hidden-states --category {wildcards.category:q} --shard {wildcards.shard}"
-        " --dataset {input.dataset:q} --out-dir {params.out_dir:q}"
+        " --dataset {input.dataset:q} --out-dir {params.out_dir:q} --record {output.record:q}"
         ' --config-json "$TOKENMILL_CONFIG_JSON" --journal-dir "$TOKENMILL_JOURNAL_DIR"'
-        " --log-dir {params.log_dir:q} > {log:q} 2>&1"
+        " --log-dir {params.log_dir:q} 2>&1"
+        " | ( trap '' TERM INT; exec tee -a {params.log_dir:q}/hidden_states.log ) > {log:q}"

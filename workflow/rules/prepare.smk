@@ -14,4 +14,5 @@ rule prepare_prompts:
         category=category_json,
     shell:
         "tokenmill prepare --category {wildcards.category:q} --category-config {params.category:q}"
-        " --out {output.prompts:q} --rejected {output.rejected:q} > {log:q} 2>&1"
+        " --out {output.prompts:q} --rejected {output.rejected:q}"
+        ' --reject-limits "$TOKENMILL_CONFIG_JSON" > {log:q} 2>&1'

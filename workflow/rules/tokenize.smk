@@ -31,4 +31,5 @@ checkpoint tokenize_prompts:
         " --model={params.model:q} --model-revision={params.model_revision:q}"
         " --max-prompt-tokens {params.max_prompt_tokens} --workers {threads}"
         " --stop-tokens {params.stop_tokens:q} --think-end-token={params.think_end_token:q}"
-        " --out-dir {output.shards:q} --rejected {output.rejected:q} > {log:q} 2>&1"
+        " --out-dir {output.shards:q} --rejected {output.rejected:q}"
+        ' --reject-limits "$TOKENMILL_CONFIG_JSON" > {log:q} 2>&1'

@@ -208,7 +208,7 @@ def hidden_states_problems(s: Settings, base: Path) -> list[str]:
 
 
 # Top-level keys that say where or how to run, not what to produce.
-OPERATIONAL_TOP_KEYS = ("journal_dir", "reject_limits")
+OPERATIONAL_TOP_KEYS = ("journal_dir", "reject_limits", "jobs")
 # The hidden_states keys that shape its files (the others say how or where it runs).
 HIDDEN_STATES_KEYS = ("enabled", "backend", "model", "layers", "layouts")
 

@@ -1,19 +1,31 @@
-"""Data contracts between stages: one Arrow schema per stage output, one writer for all.
+"""Data contracts between stages: one Arrow schema per stage output, one writer for all, and the
+run records (typed, versioned JSON) that jobs write about themselves.
 
 Every stage reads and writes through this module so that columns, types and writer
 options stay the same everywhere. Files are written deterministically (fixed writer
 options, no timestamps) and atomically (temporary file, then rename), so identical
 inputs give byte-identical files and a killed job never leaves a half-written file.
+
+The run records (the end of this module): a generate job's record, a hidden_states job's
+record, every attempt of a GPU job, a deterministic failure, the statistics summary, a
+hidden-state shard's manifest and the provenance, each a frozen dataclass with a schema
+version. Readers get the dataclass or a one-line RecordError; none reads a key with a guess.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
 import os
 import tempfile
+import types
+import typing
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -492,3 +504,534 @@ def list_arrays(col, dtype="<i4") -> tuple[np.ndarray, np.ndarray]:
     if dtype is not None:
         values = values.astype(dtype, copy=False)
     return values, offsets - start if start else offsets
+
+
+# =============================================================================================
+# Run records: what jobs say about themselves, as typed, versioned JSON.
+#
+# One frozen dataclass per record (and per nested part), read and written by one generic
+# mapping below: a field is the key of the same name (or `field(metadata={"key": ...})`),
+# typed by its annotation. A reader refuses, in one line naming the file and the key, a record
+# of an unknown schema version, a missing or unknown key, or a value of the wrong type: no
+# reader guesses at a spelling or fills a default the writer did not write. `dict` and `Any`
+# fields are opaque JSON that tokenmill passes on but never reads (what an engine reports).
+
+
+class RecordError(ValueError):
+    """A run record that cannot be read as its type; str() is one line."""
+
+
+JSON = Any  # opaque JSON: passed on (provenance, the job's own log), never read by tokenmill
+
+
+def _key(f) -> str:
+    return f.metadata.get("key", f.name)
+
+
+@dataclass(frozen=True)
+class Record:
+    """Base of the run records. A top-level record has a SCHEMA ("tokenmill.<kind>/<version>")
+    written as its "schema" key; nested parts have none."""
+
+    SCHEMA: ClassVar[str | None] = None
+
+    def to_json(self) -> dict:
+        """The record as JSON values; an optional field (default None) left None is left
+        out, as a reader takes its absence for None."""
+        out = {"schema": self.SCHEMA} if self.SCHEMA else {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.default is None:
+                continue
+            out[_key(f)] = _dump(value)
+        return out
+
+    @classmethod
+    def from_json(cls, obj, where: str | None = None):
+        return _load(cls, obj, where or cls.__name__)
+
+    @classmethod
+    def read(cls, path):
+        """The record in the file at `path`; RecordError (one line) when it cannot be."""
+        try:
+            obj = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise RecordError(f"{path}: cannot read it as {cls.__name__}: {exc}") from None
+        return cls.from_json(obj, str(path))
+
+    def write(self, path) -> None:
+        write_json_atomic(path, self.to_json())
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+def _dump(value):
+    if isinstance(value, Record):
+        return value.to_json()
+    if isinstance(value, Mapping):
+        return {k: _dump(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_dump(v) for v in value]
+    return value
+
+
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _load(tp, value, where: str):
+    """`value` (parsed JSON) as type `tp`; RecordError naming `where` otherwise."""
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _load(option, value, where)
+            except RecordError as exc:
+                errors.append(str(exc))
+        raise RecordError(errors[0] if len(errors) == 1 else f"{where}: {value!r} fits no type")
+    if origin is list or origin is tuple:
+        if not isinstance(value, list):
+            raise RecordError(f"{where}: expected a list, got {_what(value)}")
+        (item,) = typing.get_args(tp)[:1]
+        items = [_load(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise RecordError(f"{where}: expected an object, got {_what(value)}")
+        if tp is dict:
+            return value
+        _, item = typing.get_args(tp)
+        return {k: _load(item, v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(tp, type) and issubclass(tp, Record):
+        return _load_record(tp, value, where)
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(value, tp):
+        return value
+    raise RecordError(f"{where}: expected {tp.__name__}, got {_what(value)}")
+
+
+def _load_record(cls, obj, where: str):
+    if not isinstance(obj, dict):
+        raise RecordError(f"{where}: expected a {cls.__name__} object, got {_what(obj)}")
+    obj = dict(obj)
+    if cls.SCHEMA:
+        have = obj.pop("schema", None)
+        if have != cls.SCHEMA:
+            raise RecordError(
+                f"{where}: schema {have!r}, this tokenmill reads {cls.SCHEMA!r} (a record "
+                "written by another tokenmill version: rerun the job that wrote it)"
+            )
+    hints = _hints(cls)
+    values = {}
+    for f in fields(cls):
+        key = _key(f)
+        if key in obj:
+            values[f.name] = _load(hints[f.name], obj.pop(key), f"{where}.{key}")
+        elif f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+            continue
+        else:
+            raise RecordError(f"{where}: missing key '{key}' ({cls.__name__})")
+    if obj:
+        raise RecordError(f"{where}: unknown key '{sorted(obj)[0]}' ({cls.__name__})")
+    return cls(**values)
+
+
+def _what(value) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+# ------------------------------------------------------------------------- GPU-job records
+
+ATTEMPT_STATUSES = ("running", "ok", "failed", "interrupted", "killed", "refused")
+
+
+@dataclass(frozen=True)
+class SlurmJob(Record):
+    """The SLURM job an attempt ran in (every field null, restart_count 0, outside SLURM)."""
+
+    job_id: str | None
+    nodelist: str | None
+    restart_count: int  # SLURM_RESTART_COUNT: the requeues of this job id before this run
+    cuda_visible_devices: str | None
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> SlurmJob:
+        restarts = env.get("SLURM_RESTART_COUNT", "0")
+        return cls(
+            job_id=env.get("SLURM_JOB_ID"),
+            nodelist=env.get("SLURM_JOB_NODELIST"),
+            restart_count=int(restarts) if restarts.isdigit() else 0,
+            cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+        )
+
+
+@dataclass(frozen=True)
+class Held(Record):
+    """What a GPU job held, for its cost (jobs/harness.py held): GPUs per node, nodes, GPUs in
+    all (None: none of its own, as with external servers), the engine's version, and where the
+    numbers came from."""
+
+    gpus_per_node: int | None
+    nodes: int | None
+    gpus: int | None
+    engine_version: str | list[str] | None
+    source: str
+
+
+@dataclass(frozen=True)
+class Attempt(Record):
+    """One attempt of a GPU job: a line of {journal}/_jobs/{stage}/{category}/{shard}/
+    attempts.jsonl (the last line of an attempt id wins). `wall_s` runs from the process's
+    start to its end (a killed attempt: to its last heartbeat); GPU-seconds = wall_s x gpus."""
+
+    SCHEMA: ClassVar[str] = "tokenmill.attempt/1"
+    stage: str
+    category: str
+    shard: str
+    id: str  # host:pid:start ns, unique per attempt
+    host: str
+    pid: int
+    slurm: SlurmJob
+    started: str  # ISO 8601 UTC
+    ended: str | None  # None while it runs
+    status: str  # ATTEMPT_STATUSES
+    cause: str | None  # one line: why it failed, was interrupted or refused
+    deterministic: bool  # the same config fails the same way: a retry is refused
+    gpus: int | None  # Held.gpus
+    wall_s: float
+    log: str  # the job's log (every attempt appended)
+
+    @property
+    def gpu_s(self) -> float:
+        return self.wall_s * (self.gpus or 0)
+
+
+@dataclass(frozen=True)
+class FailureRecord(Record):
+    """A deterministic failure of a GPU job ({journal}/_jobs/{stage}/{category}/{shard}/
+    failure.json): the next attempt with the same `identity` (the config and input it was seen
+    with) is refused before any engine starts; any change of them, or deleting the file, lets
+    it run."""
+
+    SCHEMA: ClassVar[str] = "tokenmill.failure/1"
+    stage: str
+    category: str
+    shard: str
+    identity: dict  # opaque: compared whole
+    message: str
+    time: str
+    attempt: str  # Attempt.id of the attempt that failed
+    slurm_job_id: str | None
+
+
+# ----------------------------------------------------------------- the generate job's record
+
+
+@dataclass(frozen=True)
+class GenerateCounts(Record):
+    """A generate job's counts. Prompt shards: prompts .. output_tokens; conversation shards
+    (context: regenerated): conversations .. kept_turns; both: the engine's."""
+
+    requested: int = 0
+    retries: int = 0
+    restarts: int = 0
+    generated: int = 0
+    engine_rejected: int = 0
+    engine_errors: int = 0
+    from_journal: int = 0
+    rejected: int = 0
+    prompts: int | None = None
+    unique_samples: int | None = None
+    to_generate: int | None = None
+    kept: int | None = None
+    output_tokens: int | None = None
+    conversations: int | None = None
+    to_generate_now: int | None = None
+    prefix_exact_conversations: int | None = None
+    turns_total: int | None = None
+    turns_answered: int | None = None
+    turns_generated_ok: int | None = None
+    turns_from_journal: int | None = None
+    conversation_ends: dict[str, int] | None = None
+    kept_turns: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerateTiming(Record):
+    """Seconds: process start to the first request (startup_s: imports, keys, journal replay,
+    engine start), the generation window (first request to last answer), writing the output
+    and compacting the journal, and all of it (total_s)."""
+
+    startup_s: float
+    generation_s: float
+    write_s: float
+    total_s: float
+    imports_s: float
+    replay_s: float
+    engine_start_s: float | None
+    tokenizer_s: float | None = None  # a conversation shard's tokenizer, in the start-up
+
+
+@dataclass(frozen=True)
+class Rates(Record):
+    requests_per_s: float | None
+    output_tokens_per_s: float | None
+
+
+@dataclass(frozen=True)
+class JournalUse(Record):
+    """What the job read from and did to its journal (generate/journal.py)."""
+
+    dir: str
+    compaction: dict | None  # opaque: Compaction.commit's figures, or {"error": ...}
+    file: str | None = None  # this job's attempt file (None: nothing was sent)
+    files_read: list[str] | None = None  # the journal files it read
+    bytes_read: int | None = None
+    lines_read: int | None = None
+    torn_lines: int | None = None
+    from_stale: int | None = None
+    migration: dict | None = None  # opaque: ensure_layout's figures when the shard count changed
+
+
+@dataclass(frozen=True)
+class VocabCheck(Record):
+    vocab_size: int | None
+    source: str
+
+
+@dataclass(frozen=True)
+class GenerateJobRecord(Record):
+    """generated/{category}/{shard}.meta.json: what one generate job did, written once its
+    shard is. `attempts`: every attempt since the shard's previous record (failed, interrupted
+    and killed ones too), this one last; their GPU-seconds are the shard's cost."""
+
+    SCHEMA: ClassVar[str] = "tokenmill.generate_job/1"
+    category: str
+    shard: str
+    generation_fingerprint: str
+    mode: str
+    engine: str
+    context: str | None  # "regenerated" for a conversation shard
+    start_time: str
+    end_time: str
+    host: str
+    pid: int
+    slurm: SlurmJob
+    counts: GenerateCounts
+    timing: GenerateTiming
+    rates: Rates | None
+    held: Held
+    attempts: list[Attempt]
+    journal: JournalUse
+    engine_started: bool
+    stop_token_ids_from: str | None = None
+    vocab_check: VocabCheck | None = None
+    fingerprint_change: dict | None = None  # opaque: job.fingerprint_change
+    server_info: JSON = None  # opaque: what the engine reported (secrets redacted)
+    model_info: JSON = None
+    model_check: str | dict[str, str] | None = None  # external: per URL
+    seeds_honoured: bool | None = None
+    engine_argv: list[str] | None = None
+    engine_url: str | None = None
+    engine_starts: int | None = None
+    engine_urls: list[str] | None = None
+
+    @property
+    def gpu_s(self) -> float:
+        return sum(a.gpu_s for a in self.attempts)
+
+
+# ------------------------------------------------------------ the hidden_states job's record
+
+
+@dataclass(frozen=True)
+class HiddenStatesJobRecord(Record):
+    """hidden_states/{category}/{shard}.job.json: what one hidden_states job did."""
+
+    SCHEMA: ClassVar[str] = "tokenmill.hidden_states_job/1"
+    category: str
+    shard: str
+    backend: str
+    start_time: str
+    end_time: str
+    host: str
+    pid: int
+    slurm: SlurmJob
+    rows: int
+    rows_computed: int
+    tokens_computed: int
+    compute_s: float
+    total_s: float
+    held: Held
+    attempts: list[Attempt]
+
+    @property
+    def gpu_s(self) -> float:
+        return sum(a.gpu_s for a in self.attempts)
+
+
+@dataclass(frozen=True)
+class ManifestFile(Record):
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class HiddenStatesManifest(Record):
+    """hidden_states/{category}/{shard}/manifest.json, written last: the shard folder's every
+    file with its size and sha256 (hidden_states/job.py)."""
+
+    SCHEMA: ClassVar[str] = "tokenmill.hidden_states/1"
+    category: str
+    shard: str
+    rows: int
+    tokens: int
+    rows_key: str
+    fingerprint: dict  # opaque: the stage fingerprint, compared whole
+    layouts: list[str]
+    layer_ids: list[int]
+    dtype: str
+    bytes: int
+    files: list[ManifestFile]
+
+
+# ---------------------------------------------------------------------- the statistics
+
+
+@dataclass(frozen=True)
+class StageCounts(Record):
+    """in / kept / rejected of one stage (in = kept + rejected), and the reasons."""
+
+    records_in: int | None = field(metadata={"key": "in"})
+    kept: int
+    rejected: int
+    reasons: dict[str, int]
+    in_source: str | None = None  # "metadata" or "inferred" (categories; null overall)
+    not_generated: int | None = None  # merge
+
+
+@dataclass(frozen=True)
+class Distribution(Record):
+    count: int
+    sum: int
+    mean: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None
+    max: int | None
+
+
+@dataclass(frozen=True)
+class ReasoningCounts(Record):
+    think_end_token: str | None
+    with_think_end: int | None
+    unterminated: int | None
+    without_reasoning: int | None
+
+
+@dataclass(frozen=True)
+class PrefixCache(Record):
+    samples: int
+    samples_reporting: int
+    cached_tokens: int | None
+    prompt_tokens: int | None
+    hit_rate: float | None
+
+
+@dataclass(frozen=True)
+class GenerationCost(Record):
+    """Time and GPU-hours of a category's generate jobs, every attempt counted (failed,
+    interrupted and killed ones too); output tokens per second over the shards whose samples
+    were all generated by the job that wrote them (timed_shards)."""
+
+    wall_time_s: float
+    generation_time_s: float
+    output_tokens: int
+    shards: int
+    timed_shards: int
+    attempts: int
+    failed_attempts: int
+    output_tokens_per_s: float | None
+    gpus: int | str | None  # per job; "mixed"; None: no GPUs of the run's own
+    gpu_hours: float | None
+    output_tokens_per_gpu_hour: float | None
+
+
+@dataclass(frozen=True)
+class CoverageRow(Record):
+    n: int
+    ids: int
+    capped: bool
+    share: float
+    draft: bool | None = None
+    mapping: bool | None = None
+
+
+@dataclass(frozen=True)
+class TokenCoverage(Record):
+    loss_tokens: int
+    distinct_ids: int
+    vocab_size: int
+    top_n: list[CoverageRow]
+    ids_for_share: dict[str, int | None]
+
+
+@dataclass(frozen=True)
+class ConversationCounts(Record):
+    conversations: int
+    prefix_exact: int
+    turns_in_data: int
+    turns_answered: int
+    turns_generated: int
+    turns_not_asked: int
+    ends: dict[str, int]
+    turns_kept: int
+    turns_rejected: int
+    turn_reasons: dict[str, int]
+    samples: int
+    conversation_samples: int
+    turn_samples: int
+
+
+@dataclass(frozen=True)
+class ScopeStats(Record):
+    """The statistics of one category, or of all of them (overall)."""
+
+    stages: dict[str, StageCounts]
+    finish_types: dict[str, int]
+    lengths: dict[str, Distribution]
+    reasoning: ReasoningCounts
+    prefix_cache: PrefixCache
+    generation: GenerationCost
+    token_coverage: TokenCoverage | None = None
+    conversations: ConversationCounts | None = None
+
+
+@dataclass(frozen=True)
+class Conservation(Record):
+    ok: bool
+    problems: list[str]
+
+
+@dataclass(frozen=True)
+class StatsSummary(Record):
+    """stats/summary.json (dataset/stats.py)."""
+
+    SCHEMA: ClassVar[str] = "tokenmill.stats/2"
+    categories: dict[str, ScopeStats]
+    overall: ScopeStats
+    conservation: Conservation

@@ -22,7 +22,6 @@ A shared module below the stages: it imports no stage.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from collections import Counter
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from tokenmill.settings import ENV_CONFIG, RejectLimitSettings, load_section
+from tokenmill.settings import RejectLimitSettings, load_section
 
 GUARD_PREFIX = "tokenmill guard:"
 TOP_REASONS = 3  # reasons named in the message
@@ -45,12 +44,22 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-def limit_for(stage: str) -> RejectLimitSettings:
-    """`reject_limits.<stage>` of the run's config (the jobs' TOKENMILL_CONFIG_JSON, set by
-    workflow/rules/common.smk; operational, so not a rerun trigger), or the schema's defaults
-    when a stage command runs on its own."""
-    limits = load_section(os.environ.get(ENV_CONFIG) or {}, "reject_limits")
-    return getattr(limits, stage)
+def add_limits_argument(parser) -> None:
+    """--reject-limits, the one way a stage command gets its guard's limit: the rules pass the
+    run's whole config ("$TOKENMILL_CONFIG_JSON": operational, so not a rerun trigger); a
+    command run on its own without it takes the schema's defaults."""
+    parser.add_argument(
+        "--reject-limits",
+        default="{}",
+        help="reject_limits as JSON or a file (the section, or the whole config); default: "
+        "the schema's",
+    )
+
+
+def limit_for(stage: str, value) -> RejectLimitSettings:
+    """`reject_limits.<stage>` of `value` (--reject-limits: inline JSON, a file, the section or
+    the whole config). ConfigError names the key."""
+    return getattr(load_section(value or {}, "reject_limits"), stage)
 
 
 def over_limit(

@@ -112,3 +112,23 @@ def sample_keys(fingerprint: str, prompts) -> list[str]:
 def sampling_seed(key: str) -> int:
     """Deterministic per-sample seed (fits SGLang's i64 sampling_seed)."""
     return int(key[:15], 16)
+
+
+# -------------------------------------------------------------------- hidden-state rows
+
+
+def row_key(input_ids, loss_mask) -> str:
+    """The key of one training row in the hidden_states journal: sha256 of its input_ids and
+    loss_mask (little-endian int64, a NUL between)[:24]. The row's file is redone when its
+    row's key changes."""
+    h = hashlib.sha256()
+    h.update(np.asarray(input_ids, dtype="<i8").tobytes())
+    h.update(b"\0")
+    h.update(np.asarray(loss_mask, dtype="<i8").tobytes())
+    return h.hexdigest()[:24]
+
+
+def journal_header(fingerprint: dict) -> str:
+    """The first line of a hidden_states shard journal: the stage's fingerprint (model weights,
+    layer ids, dtype, backend). A journal with another header is started afresh."""
+    return canonical_json({"fingerprint": fingerprint})

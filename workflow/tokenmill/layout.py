@@ -295,7 +295,10 @@ def shard_files(layout: Layout, category: str, shard: str, settings) -> list[str
     if settings.dataset.export_jsonl:
         files.append(layout.export(category, shard))
     if settings.hidden_states.enabled:
-        files.append(layout.hidden_states_manifest(category, shard))
+        files += [
+            layout.hidden_states_manifest(category, shard),
+            layout.hidden_states_record(category, shard),
+        ]
     return files
 
 

@@ -1,13 +1,20 @@
 """The few lines that end every run (the Snakefile's onsuccess and onerror call `print_summary`).
 
-What the results folder holds at that moment, whatever the targets were (a partial run reports
-the categories it reached): per category the prompts kept in the dataset, the rejections of every
-stage by reason (truncated outputs that merge dropped are the `truncated` reason, also counted
-on their own), and where the outputs and the report are. After a failed run, the guard messages
-(tokenmill/guards.py) that the run's jobs wrote to their logs come first: the one line that
-says why, instead of a log path to open.
+Built from what the config declares (layout.py) and what the jobs recorded, never from a listing
+of the results folder:
 
-A top-layer module, like workflow_support.py: it reads the results folder only.
+- per category: the rows kept in its declared dataset shards, the rejections of every stage by
+  reason (truncated outputs that merge dropped are the `truncated` reason, also counted on
+  their own), and which of its jobs failed;
+- what the controller retired before the first job (tokenmill/retire.py);
+- after a failed run, LAST, so that it is on the screen when the run ends: every failed job with
+  its stage, category, shard, cause and log. A GPU job's cause is its last attempt's
+  (contracts.Attempt, jobs/harness.py: failed with the exception's line, refused after a
+  deterministic failure, interrupted by a signal, or killed without a word); a CPU job's is
+  the guard line its log holds (tokenmill/guards.py), else its log's last line. Jobs that fail
+  the same way are one line (the first few named).
+
+A top-layer module, like workflow_support.py: it reads the declared files and the records.
 """
 
 from __future__ import annotations
@@ -15,14 +22,33 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
 from tokenmill import layout
 from tokenmill.guards import GUARD_PREFIX
+from tokenmill.jobs import harness
 
 STAGES = layout.STAGES
+GPU_STAGES = ("generate", "hidden_states")
+NAMED_PER_CAUSE = 3  # shards named in a line of jobs that failed the same way
+MAX_CAUSE_LINES = 8
+
+
+@dataclass(frozen=True)
+class Failure:
+    stage: str
+    category: str | None
+    shard: str | None
+    cause: str
+    log: str
+
+    @property
+    def where(self) -> str:
+        return "/".join(p for p in (self.category, self.shard) if p) or "the run"
 
 
 def rejections(lay: layout.Layout, declared) -> dict[str, dict[str, Counter]]:
@@ -31,12 +57,10 @@ def rejections(lay: layout.Layout, declared) -> dict[str, dict[str, Counter]]:
     for c, shards in declared.items():
         out[c] = {}
         for stage in STAGES:
-            per_shard = stage in layout.PER_SHARD_STAGES
-            paths = (
-                [lay.rejected(stage, c, s) for s in shards]
-                if per_shard
-                else [lay.rejected(stage, c)]
-            )
+            if stage in layout.PER_SHARD_STAGES:
+                paths = [lay.rejected(stage, c, s) for s in shards]
+            else:
+                paths = [lay.rejected(stage, c)]
             for f in filter(lambda p: Path(p).exists(), paths):
                 try:
                     reasons = pq.read_table(f, columns=["reason"]).column(0).to_pylist()
@@ -46,45 +70,108 @@ def rejections(lay: layout.Layout, declared) -> dict[str, dict[str, Counter]]:
     return out
 
 
-def kept(lay: layout.Layout, declared) -> dict[str, int | None]:
-    """Rows in the declared dataset shards of each category (None: no shard merged yet)."""
-    out: dict[str, int | None] = {}
+def kept(lay: layout.Layout, declared) -> dict[str, tuple[int, int]]:
+    """{category: (rows in its declared dataset shards that exist, shards merged)}."""
+    out: dict[str, tuple[int, int]] = {}
     for c, shards in declared.items():
         files = [p for p in (lay.dataset(c, s) for s in shards) if Path(p).exists()]
-        out[c] = sum(pq.read_metadata(f).num_rows for f in files) if files else None
+        out[c] = (sum(pq.read_metadata(f).num_rows for f in files), len(files))
     return out
 
 
-def guard_failures(results: Path, since: float) -> list[str]:
-    """The guard lines in the run's job logs (results/logs, written since `since`)."""
-    lines = []
-    for log in sorted((results / "logs").rglob("*.log")):
+def _ts(iso: str) -> float:
+    return datetime.fromisoformat(iso).timestamp()
+
+
+def gpu_failures(lay: layout.Layout, settings, since: float) -> list[Failure]:
+    """The declared GPU jobs whose last attempt, started since `since`, did not end ok."""
+    stages = [s for s in GPU_STAGES if s == "generate" or settings.hidden_states.enabled]
+    out = []
+    for stage in stages:
+        for c, shards in layout.declared(settings).items():
+            for s in shards:
+                attempts = harness.read_attempts(lay.attempts(stage, c, s))
+                if not attempts or attempts[-1].status == "ok":
+                    continue
+                last = attempts[-1]
+                if _ts(last.started) + 1 < since and last.status != "running":
+                    continue  # an earlier run's
+                cause = last.cause or harness.KILLED_CAUSE
+                if last.status == "running":
+                    cause = harness.KILLED_CAUSE
+                out.append(Failure(stage, c, s, cause, last.log))
+    return out
+
+
+def _cpu_jobs(lay: layout.Layout, settings):
+    """(stage, category, shard, log, main output) of the declared CPU jobs."""
+    for c, shards in layout.declared(settings).items():
+        yield "prepare", c, None, lay.log("prepare", c), lay.prompts(c)
+        yield "tokenize", c, None, lay.log("tokenize", c), lay.tokenized_dir(c)
+        for s in shards:
+            yield "merge", c, s, lay.log("merge", c, s), lay.dataset(c, s)
+        yield "token_counts", c, None, lay.log("token_counts", c), lay.category_counts(c)
+    yield "token_facts", None, None, lay.log("token_facts"), lay.token_facts()
+    yield "stats", None, None, lay.log("stats"), lay.stats_summary()
+    yield "card", None, None, lay.log("card"), lay.card()
+    yield "provenance", None, None, lay.log("provenance"), lay.provenance()
+
+
+def cpu_failures(lay: layout.Layout, settings, since: float) -> list[Failure]:
+    """The declared CPU jobs that ran since `since` (their log) and left no output: the guard
+    line of their log, else its last line."""
+    out = []
+    for stage, c, s, log, output in _cpu_jobs(lay, settings):
+        log_path = Path(log)
         try:
-            if log.stat().st_mtime < since:
+            if log_path.stat().st_mtime + 1 < since or Path(output).exists():
                 continue
-            text = log.read_text(encoding="utf-8", errors="replace")
+            text = log_path.read_text(encoding="utf-8", errors="replace")
         except OSError:
             continue
-        lines += [line.strip() for line in text.splitlines() if line.startswith(GUARD_PREFIX)]
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        guard = [line for line in lines if line.startswith(GUARD_PREFIX)]
+        cause = guard[0] if guard else (lines[-1] if lines else "no output and an empty log")
+        out.append(Failure(stage, c, s, cause, log))
+    return out
+
+
+def failure_lines(failures: list[Failure]) -> list[str]:
+    """One line per cause (jobs that failed the same way together), at most MAX_CAUSE_LINES."""
+    groups: dict[tuple[str, str], list[Failure]] = {}
+    for f in failures:
+        groups.setdefault((f.stage, f.cause), []).append(f)
+    n = len(failures)
+    lines = [f"tokenmill: {n} job{'s' if n != 1 else ''} failed; the cause of each:"]
+    for (stage, cause), fs in list(groups.items())[:MAX_CAUSE_LINES]:
+        if len(fs) == 1:
+            lines.append(f"  {stage} {fs[0].where}: {cause} (log {fs[0].log})")
+            continue
+        named = ", ".join(f.where for f in fs[:NAMED_PER_CAUSE])
+        more = f" and {len(fs) - NAMED_PER_CAUSE} more" if len(fs) > NAMED_PER_CAUSE else ""
+        lines.append(f"  {stage} {len(fs)} jobs ({named}{more}): {cause} (log {fs[0].log})")
+    rest = list(groups)[MAX_CAUSE_LINES:]
+    if rest:
+        jobs = sum(len(groups[k]) for k in rest)
+        lines.append(f"  and {jobs} more jobs with {len(rest)} other causes (tokenmill status)")
     return lines
 
 
 def summary_lines(
     lay: layout.Layout, settings, ok: bool, since: float = 0.0, retired=()
 ) -> list[str]:
-    results = Path(lay.results)
     declared = layout.declared(settings)
-    categories = list(declared)
-    lines = []
-    failures = guard_failures(results, since) if not ok else []
-    lines += failures
+    failures = [] if ok else gpu_failures(lay, settings, since) + cpu_failures(lay, settings, since)
     head = "tokenmill: run finished" if ok else "tokenmill: run FAILED"
-    lines.append(head + "; per category:")
+    lines = [head + "; per category:"]
     rej = rejections(lay, declared)
     rows = kept(lay, declared)
     total_truncated = 0
-    for c in categories:
-        stages = rej[c]
+    for c, shards in declared.items():
+        failed = Counter(f.stage for f in failures if f.category == c)
+        # a failed stage's rejections are in its cause below (a guard removes its outputs): a
+        # count from the files it left would contradict the guard's
+        stages = {st: n for st, n in rej[c].items() if st not in failed}
         truncated = stages.get("merge", Counter()).get("truncated", 0)
         total_truncated += truncated
         n_rej = sum(sum(s.values()) for s in stages.values())
@@ -93,10 +180,19 @@ def summary_lines(
             for stage in STAGES
             if stages.get(stage)
         ]
-        k = "not merged yet" if rows[c] is None else f"{rows[c]} kept"
-        if any(f"category '{c}'" in f for f in failures):
-            k = "stopped by its guard (above)"
-        line = f"  {c}: {k}, {n_rej} rejected"
+        n_kept, merged = rows[c]
+        if merged == len(shards):
+            k = f"{n_kept} kept"
+        elif merged:
+            k = f"{n_kept} kept in {merged} of {len(shards)} shards merged"
+        else:
+            k = "not merged yet"
+        if failed:
+            k = ", ".join(f"{st} failed ({n} job{'s' if n != 1 else ''}, cause below)"
+                          for st, n in failed.items()) + f"; {k}"  # fmt: skip
+            line = f"  {c}: {k}" + (f", {n_rej} rejected by the other stages" if n_rej else "")
+        else:
+            line = f"  {c}: {k}, {n_rej} rejected"
         if parts:
             line += " (" + "; ".join(parts) + ")"
         if truncated:
@@ -104,7 +200,9 @@ def summary_lines(
         lines.append(line)
     lines += [f"  retired: {r.removeprefix('tokenmill: ')}" for r in retired]
     if not ok:
-        lines.append(f"  job logs: {results / 'logs'}")
+        lines.append(f"  job logs: {Path(lay.results) / 'logs'}")
+        if failures:
+            lines += failure_lines(failures)
         return lines
     dataset = Path(lay.dataset_dir())
     where = [f"dataset {dataset}" + ("" if dataset.is_dir() else " (not written yet)")]
@@ -142,5 +240,5 @@ def print_summary(
 
 
 def started() -> float:
-    """The time a run started (guard lines in logs older than this are an earlier run's)."""
+    """The time a run started (records and logs older than this are an earlier run's)."""
     return time.time()

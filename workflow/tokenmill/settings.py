@@ -32,7 +32,7 @@ import yaml
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 
 # Top-level keys whose value is a section with its own settings class (see load_section).
-SECTIONS = ("tokenizer", "generation", "dataset", "categories", "hidden_states")
+SECTIONS = ("tokenizer", "generation", "dataset", "categories", "hidden_states", "jobs")
 
 
 class ConfigError(ValueError):
@@ -186,6 +186,8 @@ def load_section(value: str | Mapping, section: str | None):
                 raise ConfigError(f"config key '{section}': no such category")
             return whole.categories[name]
         return getattr(whole, section)
+    if list(obj) == [section]:  # {"reject_limits": {...}}: the section under its own key
+        obj = obj[section]
     raw = validate_section(obj, section)
     if section == "categories":
         return _categories(raw)
@@ -299,6 +301,7 @@ class LaunchSettings(_Section):
     nnodes: int
     env: Mapping[str, str]
     operational_flags: tuple[str, ...]  # more flags left out of the fingerprint
+    launcher: tuple[str, ...] | None  # a multi-node engine's per-node launcher (None: srun)
 
 
 @dataclass(frozen=True)
@@ -419,6 +422,18 @@ class HiddenStatesSettings(_Section):
     resources: Mapping[str, Any]  # only the keys it overrides in generation.resources
 
 
+@dataclass(frozen=True)
+class JobsSettings(_Section):
+    """The GPU jobs' harness (tokenmill/jobs/): operational."""
+
+    raw: dict = field(repr=False, compare=False)
+    lock_wait_s: float
+    lock_poll_s: float
+    heartbeat_s: float
+    preemption_watch: bool
+    preemption_watch_s: float
+
+
 def _categories(raw: Mapping) -> Mapping[str, CategorySettings]:
     return MappingProxyType({name: CategorySettings.from_raw(c) for name, c in raw.items()})
 
@@ -438,6 +453,7 @@ class Settings:
     dataset: DatasetSettings
     reject_limits: RejectLimitsSettings
     hidden_states: HiddenStatesSettings
+    jobs: JobsSettings
 
     @classmethod
     def from_config(cls, config: Mapping) -> Settings:
@@ -460,6 +476,7 @@ class Settings:
             dataset=DatasetSettings.from_raw(raw["dataset"]),
             reject_limits=RejectLimitsSettings.from_raw(raw["reject_limits"]),
             hidden_states=HiddenStatesSettings.from_raw(raw["hidden_states"]),
+            jobs=JobsSettings.from_raw(raw["jobs"]),
         )
 
     def resources(self, category: str | None = None) -> ResourceSettings:
@@ -507,6 +524,7 @@ _SECTION_CLASSES = {
     "dataset": DatasetSettings,
     "reject_limits": RejectLimitsSettings,
     "hidden_states": HiddenStatesSettings,
+    "jobs": JobsSettings,
 }
 
 

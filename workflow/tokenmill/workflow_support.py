@@ -70,7 +70,7 @@ def on_start(workflow, lay, settings) -> list[str]:
     lines = retire.retire_undeclared(lay, settings)
     for line in lines:
         print(line, file=sys.stderr, flush=True)
-    preemption.start_for_workflow(workflow)
+    preemption.start_for_workflow(workflow, settings.jobs)
     return lines
 
 

@@ -71,7 +71,7 @@ def front_matter(files: dict[str, list[str]]) -> dict:
     }
 
 
-def render(results_dir, config: dict, summary: dict | None) -> str:
+def render(results_dir, config: dict, summary: contracts.StatsSummary | None) -> str:
     config = as_settings(config)
     lay = layout.Layout(str(results_dir), config.journal_dir)
     dataset = Path(lay.dataset_dir())
@@ -136,32 +136,31 @@ def render(results_dir, config: dict, summary: dict | None) -> str:
             "total tokens (mean / max) | unterminated reasoning |",
             "|---|---:|---:|---:|---:|---:|",
         ]
-        scopes = list(summary.get("categories", {}).items()) + [("all", summary.get("overall"))]
+        scopes = [*summary.categories.items(), ("all", summary.overall)]
         for cat, s in scopes:
-            if not s:
-                continue
-            L = s["lengths"]
+            L = s.lengths
             lines.append(
-                f"| {cat} | {L['total_tokens']['count']} | {_known(L['prompt_tokens']['mean'])} | "
-                f"{_known(L['output_tokens']['mean'])} / {_known(L['output_tokens']['p99'])} | "
-                f"{_known(L['total_tokens']['mean'])} / {_known(L['total_tokens']['max'])} | "
-                f"{_known((s.get('reasoning') or {}).get('unterminated'))} |"
+                f"| {cat} | {L['total_tokens'].count} | {_known(L['prompt_tokens'].mean)} | "
+                f"{_known(L['output_tokens'].mean)} / {_known(L['output_tokens'].p99)} | "
+                f"{_known(L['total_tokens'].mean)} / {_known(L['total_tokens'].max)} | "
+                f"{_known(s.reasoning.unterminated)} |"
             )
-        overall = summary.get("overall") or {}
-        g, c = overall.get("generation") or {}, overall.get("prefix_cache") or {}
+        g, c = summary.overall.generation, summary.overall.prefix_cache
         lines += [
             "",
             "Unterminated reasoning: outputs that opened a thinking block and never closed it "
             "(their tokens are reasoning, not answer). Generation: "
-            f"{_known(g.get('output_tokens_per_s'))} output tokens/s, "
-            f"{_known(g.get('gpu_hours'), 3)} GPU-hours, prefix-cache hit rate "
-            f"{_known(c.get('hit_rate'), 3)} (unknown: not reported by the engine, or not the "
+            f"{_known(g.output_tokens_per_s)} output tokens/s, "
+            f"{_known(g.gpu_hours, 3)} GPU-hours, prefix-cache hit rate "
+            f"{_known(c.hit_rate, 3)} (unknown: not reported by the engine, or not the "
             "run's own GPUs).",
         ]
     return "\n".join(lines) + "\n"
 
 
-def _conversations_section(shards: dict[str, list[Path]], summary: dict | None) -> list[str]:
+def _conversations_section(
+    shards: dict[str, list[Path]], summary: contracts.StatsSummary | None
+) -> list[str]:
     """How the `context: regenerated` categories' rows differ (docs/multi-turn.md)."""
     convs = [
         c for c, paths in shards.items()
@@ -183,8 +182,8 @@ def _conversations_section(shards: dict[str, list[Path]], summary: dict | None) 
         "conversation. A conversation ends early at a tool call the model made differently "
         "from the dataset (the dataset's tool results would answer a call it did not make).",
     ]
-    scopes = (summary or {}).get("categories", {})
-    rows = [(c, scopes[c]["conversations"]) for c in convs if "conversations" in scopes.get(c, {})]
+    scopes = summary.categories if summary else {}
+    rows = [(c, scopes[c].conversations) for c in convs if c in scopes and scopes[c].conversations]
     if rows:
         lines += [
             "",
@@ -193,10 +192,10 @@ def _conversations_section(shards: dict[str, list[Path]], summary: dict | None) 
             "|---|---:|---:|---:|---:|---|",
         ]
         for cat, c in rows:
-            ends = ", ".join(f"{k}: {v}" for k, v in c["ends"].items())
+            ends = ", ".join(f"{k}: {v}" for k, v in c.ends.items())
             lines.append(
-                f"| {cat} | {c['conversations']} | {c['turns_kept']} | "
-                f"{c['conversation_samples']} | {c['turn_samples']} | {ends} |"
+                f"| {cat} | {c.conversations} | {c.turns_kept} | "
+                f"{c.conversation_samples} | {c.turn_samples} | {ends} |"
             )
     return lines
 
@@ -252,7 +251,11 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"tokenmill card: {exc}", file=sys.stderr)
         return 1
-    summary = json.loads(Path(args.stats).read_text()) if args.stats else None
+    try:
+        summary = contracts.StatsSummary.read(args.stats) if args.stats else None
+    except contracts.RecordError as exc:
+        print(f"tokenmill card: {exc}", file=sys.stderr)
+        return 1
     text = render(args.results_dir, config, summary)
     tmp = contracts.atomic_path(args.out)
     tmp.write_text(text, encoding="utf-8")

@@ -765,11 +765,17 @@ def main(argv: list[str]) -> int:
         "--counts-out", help="results/token_counts/{c}/{s}.parquet: loss-token counts of the shard"
     )
     validate.add_config_arguments(parser)
+    guards.add_limits_argument(parser)
     args = parser.parse_args(argv)
     sections = validate.load_config_arguments(args, "tokenmill merge")
     if sections is None:
         return 1
     ds, gen, tok = sections
+    try:
+        limit = guards.limit_for("merge", args.reject_limits)
+    except ValueError as exc:
+        print(f"tokenmill merge: {exc}", file=sys.stderr)
+        return 1
     # The facts must come from the tokenizer the shard was tokenized with (Snakemake reruns
     # token-facts when the tokenizer changes; a merge run by hand has no such guard).
     shard_tokenizer = None
@@ -807,7 +813,7 @@ def main(argv: list[str]) -> int:
         res.kept + res.rejected,
         res.kept,
         args.rejected,
-        guards.limit_for("merge"),
+        limit,
         key="reject_limits.merge",
         shard=args.shard,
     )

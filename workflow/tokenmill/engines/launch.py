@@ -20,7 +20,8 @@ and {dist_init_addr} from its SLURM environment and execs the engine. Requests g
 rank 0 (the first host of the job's nodelist). That srun gets a clean environment (the
 job's SLURM_* of the rule's own one-node step would confine it to that node), and the
 rendezvous ports are checked free before use (docs/cluster.md, sections 7 and 9).
-The launcher prefix is injectable (TOKENMILL_LAUNCHER_PREFIX, a JSON list) for local tests.
+The per-node launcher is srun unless generation.launch.launcher gives another argument list
+(a site's own launcher; the local tests' stand-in).
 """
 
 from __future__ import annotations
@@ -272,10 +273,10 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
-def launcher_prefix(nnodes: int) -> list[str]:
-    env = os.environ.get("TOKENMILL_LAUNCHER_PREFIX")
-    if env:
-        return json.loads(env)
+def launcher_prefix(nnodes: int, launcher=None) -> list[str]:
+    """What runs one task per node: generation.launch.launcher when set, else srun."""
+    if launcher:
+        return list(launcher)
     # --overlap: the rule itself already runs inside an srun step of this job (the jobstep
     # plugin); without it the engine's step would wait for the CPUs that step holds.
     return [
@@ -500,7 +501,8 @@ class ManagedEngine:
             self.dist_port = free_port_block(port + DIST_PORT_OFFSET)
             wrapper = [sys.executable, "-m", "tokenmill.engines.launch", "task"]
             dist = ["--dist-port", str(self.dist_port)]
-            return launcher_prefix(nnodes) + wrapper + ["--argv-json", json.dumps(argv)] + dist
+            prefix = launcher_prefix(nnodes, self.launch.launcher)
+            return prefix + wrapper + ["--argv-json", json.dumps(argv)] + dist
         return substitute(argv, {"node_rank": 0, "dist_init_addr": f"127.0.0.1:{port + 1}"})
 
     def _request_host(self) -> str:

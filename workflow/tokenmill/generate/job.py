@@ -15,17 +15,16 @@ What lives here, and only here:
 - `generate`: start (or reach) the engine, send the missing samples, journal each answer as it
   comes, restart a dead engine up to launch.max_restarts times, hold refusals until the shard
   passed the rejection guard (engine errors are never journaled: the next run asks again);
-- `engine_meta`, `held_resources`, `common_meta`, `timing`: what the job's meta says about the
-  engine, what the job held (GPUs, nodes, engine version: the cost figures of dataset/stats.py
-  read these, never the current config) and where its time went;
+- `engine_meta`, `common_meta`, `timing`, `job_record`: what the job's record says about the
+  engine and where its time went (contracts.GenerateJobRecord; what the job held and its
+  attempts come from the harness, jobs/harness.py);
 - `OutputFrame`: the output files' metadata and the count check (every record in, once, in the
   generated or the rejected file);
 - `commit_compaction`: swap a shard's compacted journal file in once the output is written.
 
-Timing (meta `timing`): startup_s is process start to the first request (imports, keys, journal
-replay, engine start), generation_s the first request to the last answer (the window the rates
-and progress lines use), write_s the output and journal compaction, total_s all of it
-(`wall_time_s`, kept for older readers).
+Timing (the record's `timing`): startup_s is process start to the first request (imports, keys,
+journal replay, engine start), generation_s the first request to the last answer (the window the
+rates and progress lines use), write_s the output and journal compaction, total_s all of it.
 """
 
 from __future__ import annotations
@@ -59,11 +58,8 @@ from tokenmill.generate.client import (
 from tokenmill.model import model_vocab_size
 from tokenmill.redaction import redact
 from tokenmill.settings import (
-    ENV_CONFIG,
-    CategorySettings,
     GenerationSettings,
     TokenizerSettings,
-    effective_resources,
     thaw,
 )
 
@@ -503,60 +499,28 @@ def timing(clock: dict, t_write: float, t_end: float) -> dict:
 
 
 def finish_timing(job: Job, t_write: float) -> dict:
-    """meta timing and wall_time_s, now; returns the timing."""
+    """meta timing, now; returns it."""
     job.meta["timing"] = t = timing(job.clock, t_write, time.monotonic())
-    job.meta["wall_time_s"] = t["total_s"]
     return t
 
 
-def held_resources(gen: GenerationSettings, category: str, meta: dict, environ=None) -> dict:
-    """What the job held, for its cost (meta["held"]; dataset/stats.py multiplies the job's
-    wall time by `gpus`): GPUs per node, nodes, GPUs in all, the engine's version, and where
-    the numbers came from.
-
-    - external mode: the servers' GPUs are not the job's: every count null;
-    - inside a SLURM allocation: SLURM_JOB_NUM_NODES and SLURM_GPUS_ON_NODE (else
-      SLURM_GPUS_PER_NODE, else the devices in CUDA_VISIBLE_DEVICES; none of them: 0);
-    - elsewhere: the category's effective resources.gpus (generation.resources with the
-      category's overrides, from the workflow's resolved config in TOKENMILL_CONFIG_JSON; a job
-      started by hand without it: generation.resources.gpus) x launch.nnodes.
-    """
-    env = os.environ if environ is None else environ
-    version = _engine_version(meta.get("server_info"), gen.managed)
-    if not gen.managed:
-        return {"gpus_per_node": None, "nodes": None, "gpus": None, "engine_version": version,
-                "source": "external servers"}  # fmt: skip
-    if env.get("SLURM_JOB_ID"):
-        nodes = _int(env.get("SLURM_JOB_NUM_NODES")) or 1
-        per_node, source = _int(env.get("SLURM_GPUS_ON_NODE")), "SLURM_GPUS_ON_NODE"
-        if per_node is None:
-            per_node, source = _int(env.get("SLURM_GPUS_PER_NODE")), "SLURM_GPUS_PER_NODE"
-        if per_node is None and env.get("CUDA_VISIBLE_DEVICES") is not None:
-            visible = [d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
-            per_node, source = len(visible), "CUDA_VISIBLE_DEVICES"
-        if per_node is None:
-            per_node, source = 0, "no GPUs in the allocation"
-        source = f"SLURM allocation: SLURM_JOB_NUM_NODES, {source}"
-    else:
-        categories = json.loads(env[ENV_CONFIG]).get("categories") if env.get(ENV_CONFIG) else {}
-        cat = (categories or {}).get(category)
-        res = effective_resources(gen, CategorySettings.from_raw(cat) if cat else None)
-        per_node, nodes = res.gpus, gen.launch.nnodes
-        source = f"categories.{category}.resources over " if cat else ""
-        source += "generation.resources x launch.nnodes (no SLURM allocation)"
-    return {"gpus_per_node": per_node, "nodes": nodes, "gpus": per_node * nodes,
-            "engine_version": version, "source": source}  # fmt: skip
+def job_record(meta: dict, held: contracts.Held, attempts) -> contracts.GenerateJobRecord:
+    """The job's record (contracts.GenerateJobRecord) from what the runner put in `meta`, what
+    it held and every attempt since the shard's last record: checked key by key (a key the
+    record does not know, or a missing one, fails the job instead of writing a record no reader
+    can read)."""
+    body = {
+        **meta,
+        "schema": contracts.GenerateJobRecord.SCHEMA,
+        "held": held.to_json(),
+        "attempts": [a.to_json() for a in attempts],
+        "context": meta.get("context"),
+        "rates": meta.get("rates"),
+    }
+    return contracts.GenerateJobRecord.from_json(body, "the generate job's record")
 
 
-def _int(value) -> int | None:
-    """The leading integer of a SLURM count ("4", "4(x2)", "gpu:4" -> 4), None if none."""
-    if value is None:
-        return None
-    text = str(value).split("(")[0].rsplit(":", 1)[-1].strip()
-    return int(text) if text.isdigit() else None
-
-
-def _engine_version(server_info, managed: bool):
+def engine_version(server_info, managed: bool):
     """The version the engine reported in server_info (external: per URL; one value when they
     agree), None where it reports none or was never reached."""
     if not server_info:

@@ -29,22 +29,18 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from tokenmill import contracts
+from tokenmill import contracts, keys
 from tokenmill.hidden_states import layout
 
 log = logging.getLogger("tokenmill.hidden_states")
 
 
-def row_key(input_ids, loss_mask) -> str:
-    h = hashlib.sha256()
-    h.update(input_ids.astype("<i8").tobytes())
-    h.update(b"\0")
-    h.update(loss_mask.astype("<i8").tobytes())
-    return h.hexdigest()[:24]
+row_key = keys.row_key  # the one owner: keys.py
 
 
 def read_rows(dataset: Path):
@@ -63,7 +59,7 @@ class Journal:
         self.fingerprint = fingerprint
         self.done: dict[int, dict] = {}
         path.parent.mkdir(parents=True, exist_ok=True)
-        header = contracts.canonical_json({"fingerprint": fingerprint})
+        header = keys.journal_header(fingerprint)
         lines = path.read_text().splitlines() if path.exists() else []
         if lines and lines[0] == header:
             for line in lines[1:]:
@@ -164,15 +160,18 @@ def run_shard(
     max_batch_rows: int,
     describe: dict,
 ) -> dict:
-    """Write the shard's files (see the module docstring); returns the manifest."""
+    """Write the shard's files (see the module docstring); returns the manifest and what was
+    computed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     clean_leftovers(out_dir)
     rows = read_rows(dataset)
-    keys = [row_key(ids, mask) for ids, mask in rows]
+    row_keys = [row_key(ids, mask) for ids, mask in rows]
     journal = Journal(journal_path, fingerprint)
     wanted = {i: [layout.row_path(lay, i) for lay in layouts] for i in range(len(rows))}
     todo = [
-        i for i in range(len(rows)) if not is_done(journal.done.get(i), keys[i], out_dir, wanted[i])
+        i
+        for i in range(len(rows))
+        if not is_done(journal.done.get(i), row_keys[i], out_dir, wanted[i])
     ]
     log.info(
         "%s/%s: %d rows, %d already done, %d to compute",
@@ -208,7 +207,7 @@ def run_shard(
                     (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
                     layout.write_atomic(out_dir / rel, data)
                     files[rel] = [len(data), hashlib.sha256(data).hexdigest()]
-                journal.add(rs.index, keys[rs.index], files)
+                journal.add(rs.index, row_keys[rs.index], files)
                 tokens += len(ids)
     wall = time.monotonic() - t0
     if todo:
@@ -219,7 +218,7 @@ def run_shard(
     removed = clean_leftovers(out_dir, keep)
     if removed:
         log.info("removed %d stale or temporary files", len(removed))
-    shard_hash = hashlib.sha256("".join(keys).encode()).hexdigest()[:32]
+    shard_hash = hashlib.sha256("".join(row_keys).encode()).hexdigest()[:32]
     if "speculators" in layouts:
         write_rows_folder(out_dir, rows, shard_hash)
     files = []
@@ -232,24 +231,32 @@ def run_shard(
         p = out_dir / rel
         if size is None or p.stat().st_size != size:
             size, sha = p.stat().st_size, contracts.sha256_file(p)
-        files.append({"path": rel, "size": size, "sha256": sha})
-    manifest = {
-        "schema": layout.MANIFEST_SCHEMA,
-        "category": category,
-        "shard": shard,
-        "rows": len(rows),
-        "tokens": int(sum(len(r[0]) for r in rows)),
-        "rows_key": shard_hash,
-        "fingerprint": fingerprint,
-        "layouts": list(layouts),
-        **describe,
-        "bytes": sum(f["size"] for f in files),
-        "files": files,
-    }
-    layout.write_atomic(
-        out_dir / layout.MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
+        files.append(contracts.ManifestFile(path=rel, size=size, sha256=sha))
+    manifest = contracts.HiddenStatesManifest(
+        category=category,
+        shard=shard,
+        rows=len(rows),
+        tokens=int(sum(len(r[0]) for r in rows)),
+        rows_key=shard_hash,
+        fingerprint=fingerprint,
+        layouts=list(layouts),
+        layer_ids=list(describe["layer_ids"]),
+        dtype=describe["dtype"],
+        bytes=sum(f.size for f in files),
+        files=files,
     )
-    return manifest
+    text = json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n"
+    layout.write_atomic(out_dir / layout.MANIFEST, text.encode())
+    return manifest, Work(rows=len(todo), tokens=tokens, seconds=round(wall, 3))
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a job computed (not what it found done): rows, their tokens, the seconds it took."""
+
+    rows: int
+    tokens: int
+    seconds: float
 
 
 def _row_of(rel: str) -> int | None:
@@ -265,14 +272,14 @@ def _row_of(rel: str) -> int | None:
 def verify_shard(out_dir: Path) -> list[str]:
     """Problems of a shard folder against its manifest (missing, size or sha256 differs,
     files it does not list)."""
-    manifest = json.loads((out_dir / layout.MANIFEST).read_text())
+    manifest = contracts.HiddenStatesManifest.read(out_dir / layout.MANIFEST)
     problems = []
-    listed = {f["path"]: f for f in manifest["files"]}
+    listed = {f.path: f for f in manifest.files}
     for rel, f in sorted(listed.items()):
         p = out_dir / rel
         if not p.is_file():
             problems.append(f"missing: {rel}")
-        elif p.stat().st_size != f["size"] or contracts.sha256_file(p) != f["sha256"]:
+        elif p.stat().st_size != f.size or contracts.sha256_file(p) != f.sha256:
             problems.append(f"differs: {rel}")
     for p in sorted(out_dir.rglob("*")):
         rel = p.relative_to(out_dir).as_posix()

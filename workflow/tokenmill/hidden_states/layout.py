@@ -36,13 +36,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenmill import layout as run_layout
 from tokenmill import model as model_files
 from tokenmill.contracts import atomic_path
 
 LAYOUTS = ("speculators", "specforge")
 SPECFORGE_GROUP = 2000  # SpecForge's rows_{g}-{g+2000} folders
-MANIFEST = "manifest.json"
-MANIFEST_SCHEMA = "tokenmill.hidden_states/1"
+MANIFEST = run_layout.HIDDEN_STATES_MANIFEST  # contracts.HiddenStatesManifest
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ROWS_FILES = ("data-00000-of-00001.arrow", "dataset_info.json", "state.json")
 

@@ -2,23 +2,32 @@
 
     tokenmill hidden-states --category C --shard 000 --dataset results/dataset/C/000.parquet \
         --out-dir results/hidden_states/C/000 --config-json CONFIG --journal-dir journal \
-        [--basedir .]
+        [--basedir .] [--record results/hidden_states/C/000.job.json] [--log-dir DIR]
 
 CONFIG is the whole resolved config (inline JSON or a file): hidden_states.* and the model
-(hidden_states.model, else generation.model). Writes the shard folder and, last, its
-manifest.json (layout.py); a killed run resumes from its journal.
+(hidden_states.model, else generation.model), the harness's `jobs` settings. Writes the shard
+folder and, last, its manifest.json (layout.py), then the job record
+(contracts.HiddenStatesJobRecord: what it computed, every attempt and its GPU-hours); a killed
+run resumes from its journal. The GPU-job harness (jobs/harness.py) holds the shard's lock,
+records every attempt and turns SIGTERM/SIGINT into a clean stop.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import sys
+import time
 from pathlib import Path
 
+from tokenmill import contracts
 from tokenmill import layout as run_layout
 from tokenmill import model as model_files
 from tokenmill.hidden_states import job, layout
+from tokenmill.jobs import harness
+from tokenmill.jobs.lock import ShardLocked
 from tokenmill.jobs.resources import attempt_growth
 from tokenmill.settings import ConfigError, Settings, hidden_states_resources, load_section
 
@@ -103,53 +112,82 @@ def backend_problems(settings: Settings) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    t0 = time.monotonic() - harness.process_age_s()
     p = argparse.ArgumentParser(prog="tokenmill hidden-states", description=__doc__.split("\n")[0])
     p.add_argument("--category", required=True)
     p.add_argument("--shard", required=True)
     p.add_argument("--dataset", required=True, type=Path)
     p.add_argument("--out-dir", required=True, type=Path)
+    p.add_argument("--record", type=Path, help="the job record; default: beside --out-dir")
     p.add_argument("--config-json", required=True)
     p.add_argument("--journal-dir", required=True, type=Path)
     p.add_argument("--basedir", default=".", type=Path)
     p.add_argument(
-        "--log-dir", type=Path, help="the engine's log (vllm); default: beside the journal"
-    )
+        "--log-dir", type=Path, help="the job's log folder (vllm: its engine log); default: "
+        "the results folder's logs/hidden_states/{category}/{shard}",
+    )  # fmt: skip
     a = p.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(levelname)s %(message)s")
+    # results/hidden_states/{category}/{shard} -> results
+    lay = run_layout.Layout(str(a.out_dir.parent.parent.parent), str(a.journal_dir))
+    log_dir = a.log_dir or Path(lay.job_log_dir(STAGE, a.category, a.shard))
     try:
         settings = load_section(a.config_json, None)
         fp = fingerprint(settings, a.basedir)
         problems = backend_problems(settings)
         if problems:
             raise ConfigError("; ".join(problems))
-        factory = backend_factory(
-            settings,
-            a.basedir,
-            fp["layers"],
-            a.out_dir,
-            a.log_dir or a.journal_dir / STAGE / a.category / f"{a.shard}-logs",
-        )
+        factory = backend_factory(settings, a.basedir, fp["layers"], a.out_dir, log_dir)
     except (ConfigError, layout.LayoutError) as exc:
         print(f"tokenmill hidden-states: {exc}", file=sys.stderr)
         return 1
     hs = settings.hidden_states
-    journal = a.journal_dir / STAGE / a.category / f"{a.shard}.jsonl"
-    manifest = job.run_shard(
-        category=a.category,
-        shard=a.shard,
-        dataset=a.dataset,
-        out_dir=a.out_dir,
-        journal_path=journal,
-        backend_factory=factory,
-        fingerprint=fp,
-        layouts=tuple(hs.layouts),
-        batch_tokens=hs.batch_tokens,
-        max_batch_rows=hs.max_batch_rows,
-        describe={"layer_ids": fp["layers"], "dtype": fp["dtype"]},
-    )
+    resources = hidden_states_resources(settings.generation, hs)
+    managed = hs.backend == "hf" or hs.mode == "managed"
+    source = "hidden_states.resources over generation.resources (no SLURM allocation)"
+    held = harness.held(managed, resources.gpus, 1, source)
+    spec = harness.JobSpec(
+        stage=STAGE, category=a.category, shard=a.shard, layout=lay,
+        log=str(log_dir / f"{STAGE}.log"), gpus=held.gpus, settings=settings.jobs,
+    )  # fmt: skip
+    journal_path = Path(lay.hidden_states_journal(a.category, a.shard))
+    earlier = a.journal_dir / STAGE / a.category / f"{a.shard}.jsonl"  # before tokenmill/layout.py
+    if earlier.is_file() and not journal_path.exists():
+        journal_path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(earlier, journal_path)
+    start_time = harness.now_iso()
+    try:
+        with harness.GpuJob(spec) as gpu_job, gpu_job.catch_signals():
+            manifest, work = job.run_shard(
+                category=a.category,
+                shard=a.shard,
+                dataset=a.dataset,
+                out_dir=a.out_dir,
+                journal_path=journal_path,
+                backend_factory=factory,
+                fingerprint=fp,
+                layouts=tuple(hs.layouts),
+                batch_tokens=hs.batch_tokens,
+                max_batch_rows=hs.max_batch_rows,
+                describe={"layer_ids": fp["layers"], "dtype": fp["dtype"]},
+            )
+            contracts.HiddenStatesJobRecord(
+                category=a.category, shard=a.shard, backend=hs.backend, start_time=start_time,
+                end_time=harness.now_iso(), host=socket.gethostname(), pid=os.getpid(),
+                slurm=contracts.SlurmJob.from_environ(os.environ), rows=manifest.rows,
+                rows_computed=work.rows, tokens_computed=work.tokens, compute_s=work.seconds,
+                total_s=round(time.monotonic() - t0, 3), held=held,
+                attempts=gpu_job.succeeded(),
+            ).write(a.record or lay.hidden_states_record(a.category, a.shard))  # fmt: skip
+    except harness.Interrupted as exc:
+        print(f"tokenmill hidden-states: {exc}: stopped; the next attempt resumes", file=sys.stderr)
+        return 128 + exc.signum
+    except (harness.Refused, ShardLocked, OSError, RuntimeError) as exc:
+        print(f"tokenmill hidden-states: {exc}", file=sys.stderr)
+        return 1
     print(
-        f"{a.category}/{a.shard}: {manifest['rows']} rows, {manifest['tokens']} tokens, "
-        f"{len(manifest['files'])} files, {manifest['bytes']} bytes"
+        f"{a.category}/{a.shard}: {manifest.rows} rows, {manifest.tokens} tokens, "
+        f"{len(manifest.files)} files, {manifest.bytes} bytes"
     )
     return 0
 

@@ -1,20 +1,21 @@
-"""One generate process per shard: a lock file next to the shard's journal.
+"""One process per shard and GPU stage: a lock file in the job's harness folder.
 
 A controller that is restarted while its jobs still run (an SSH drop, a killed login node)
 submits the running shards again (`rerun-incomplete`). Both jobs would pay for the same
-samples. So `tokenmill generate` first takes `{journal_dir}/{category}/{shard}.lock`, a JSON
+samples. So a GPU job (generate, hidden_states; jobs/harness.py) first takes
+`{journal_dir}/_jobs/{stage}/{category}/{shard}/lock.json` (layout.Layout.shard_lock), a JSON
 record of who holds it: host, pid (and the pid's start time, against pid reuse), SLURM job id.
 
 The holder is alive when it is on this host and its process still runs, or, on another host,
 when its SLURM job is still running per `squeue -j`. A live holder makes the newcomer wait for
-it (a log line names it; TOKENMILL_LOCK_WAIT_S, default 3600 s, checked every
-TOKENMILL_LOCK_POLL_S, default 10 s): once the holder is gone the newcomer takes the lock and
-finds the holder's samples in the journal (a holder that finished the shard leaves it nothing
-to request). Still held after the wait: it fails with a message that names the holder (the
-scheduler's next attempt waits again). A dead holder's lock (SIGKILL, node crash) is taken
-over. A requeued SLURM job finds its own job id in the lock and takes it over. Check-and-take
-runs under flock(2) on `{journal_dir}/{category}/.shard-locks`, so two newcomers cannot both
-take a stale lock (on NFS this needs working locks: lockd for v3, built in for v4).
+it (a log line names it; jobs.lock_wait_s, default 3600 s, checked every jobs.lock_poll_s,
+default 10 s): once the holder is gone the newcomer takes the lock and finds the holder's
+samples in the journal (a holder that finished the shard leaves it nothing to request). Still
+held after the wait: it fails with a message that names the holder (the scheduler's next
+attempt waits again). A dead holder's lock (SIGKILL, node crash) is taken over. A requeued
+SLURM job finds its own job id in the lock and takes it over. Check-and-take runs under
+flock(2) on `.shard-locks` beside the lock, so two newcomers cannot both take a stale lock (on
+NFS this needs working locks: lockd for v3, built in for v4).
 """
 
 from __future__ import annotations
@@ -47,10 +48,6 @@ LIVE_STATES = {
 
 class ShardLocked(RuntimeError):
     """Another live process is generating this shard."""
-
-
-def lock_path(journal_dir, category: str, shard: str) -> Path:
-    return Path(journal_dir) / category / f"{shard}.lock"
 
 
 def _pid_start(pid: int) -> str | None:
@@ -133,42 +130,32 @@ def _read(path: Path) -> dict | None:
         return {}  # torn or unreadable: nobody can prove it is alive
 
 
-def _env_s(name: str, default: float) -> float:
-    try:
-        return max(0.0, float(os.environ.get(name, default)))
-    except ValueError:
-        return default
-
-
-def acquire(journal_dir, category: str, shard: str, wait_s: float | None = None,
-            poll_s: float | None = None) -> Path:  # fmt: skip
-    """Take the shard's lock, waiting up to `wait_s` (TOKENMILL_LOCK_WAIT_S) for a live
-    holder; ShardLocked when it still holds it then."""
-    wait_s = _env_s("TOKENMILL_LOCK_WAIT_S", 3600.0) if wait_s is None else wait_s
-    poll_s = _env_s("TOKENMILL_LOCK_POLL_S", 10.0) if poll_s is None else poll_s
+def acquire(path, what: str, wait_s: float, poll_s: float) -> Path:
+    """Take the lock at `path` (of shard `what`, "category/shard"), waiting up to `wait_s`
+    (jobs.lock_wait_s) for a live holder; ShardLocked when it still holds it then."""
+    path = Path(path)
     deadline = time.monotonic() + wait_s
     told = False
     while True:
         try:
-            return _try_acquire(journal_dir, category, shard)
+            return _try_acquire(path, what)
         except ShardLocked as exc:
             left = deadline - time.monotonic()
             if left <= 0:
                 if told:
-                    waited = f" Waited {wait_s:.0f} s (TOKENMILL_LOCK_WAIT_S)."
+                    waited = f" Waited {wait_s:.0f} s (jobs.lock_wait_s)."
                     raise ShardLocked(f"{exc}{waited}") from None
                 raise
             if not told:
                 log.warning(
-                    "%s Waiting up to %.0f s (TOKENMILL_LOCK_WAIT_S) for it to end; this job "
+                    "%s Waiting up to %.0f s (jobs.lock_wait_s) for it to end; this job "
                     "then resumes from the journal.", str(exc).split(" Not starting")[0], wait_s
                 )  # fmt: skip
                 told = True
             time.sleep(max(0.05, min(poll_s, left)))
 
 
-def _try_acquire(journal_dir, category: str, shard: str) -> Path:
-    path = lock_path(journal_dir, category, shard)
+def _try_acquire(path: Path, what: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     mine = me()
     with open(path.parent / ".shard-locks", "a") as guard:
@@ -179,7 +166,7 @@ def _try_acquire(journal_dir, category: str, shard: str) -> Path:
                 alive, why = holder_alive(holder, mine) if holder else (False, "unreadable")
                 if alive:
                     raise ShardLocked(
-                        f"shard {category}/{shard} is being generated by another process: "
+                        f"shard {what} is being worked on by another process: "
                         f"{why} (lock {path}, held since {holder.get('since')}). Not starting "
                         "a second engine. If that process is really gone, delete the lock."
                     )
@@ -200,8 +187,8 @@ def release(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def hold(journal_dir, category: str, shard: str):
-    path = acquire(journal_dir, category, shard)
+def hold(path, what: str, wait_s: float, poll_s: float):
+    path = acquire(path, what, wait_s, poll_s)
     try:
         yield path
     finally:

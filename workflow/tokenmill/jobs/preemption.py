@@ -22,7 +22,8 @@ workdir, Snakemake's lock), and
 
 Failing the run: the message is printed, then the controller gets SIGINT, as from Ctrl-C
 (Snakemake cancels the run's SLURM jobs and exits non-zero; the journals keep what the
-generate jobs had paid for). TOKENMILL_PREEMPT_WATCH=0 turns the watchdog off.
+generate jobs had paid for). `jobs.preemption_watch: false` turns the watchdog off;
+`jobs.preemption_watch_s` (15) is its interval.
 """
 
 from __future__ import annotations
@@ -219,17 +220,18 @@ class Watchdog(threading.Thread):
         self._halt.set()
 
 
-def start_for_workflow(workflow, workdir: str | Path = ".") -> Watchdog | None:
-    """Start the watchdog when the controller submits to SLURM (called from onstart)."""
+def start_for_workflow(workflow, jobs, workdir: str | Path = ".") -> Watchdog | None:
+    """Start the watchdog when the controller submits to SLURM (called from onstart), unless
+    jobs.preemption_watch is off. `jobs`: settings.JobsSettings."""
     plugin = getattr(workflow, "executor_plugin", None)
     if "slurm" not in (getattr(plugin, "cli_prefix", None), getattr(plugin, "name", None)):
         return None
-    if os.environ.get("TOKENMILL_PREEMPT_WATCH", "1") == "0":
+    if not jobs.preemption_watch:
         return None
     if not (shutil.which("squeue") and shutil.which("scontrol")):
         return None
     # 15 s: a job that can never start fails the run within a minute (two checks in a row)
-    interval = float(os.environ.get("TOKENMILL_PREEMPT_WATCH_S", "15"))
+    interval = float(jobs.preemption_watch_s)
     dog = Watchdog(Path(workdir).resolve(), interval)
     dog.start()
     _say(

@@ -420,11 +420,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, help="prompts Parquet file")
     parser.add_argument("--rejected", required=True, help="rejected rows Parquet file")
     parser.add_argument("--basedir", default=".", help="source paths are relative to this")
+    guards.add_limits_argument(parser)
     args = parser.parse_args(argv)
     try:
         cat = _load_category_config(args.category, args.category_config)
+        limit = guards.limit_for(STAGE, args.reject_limits)
         counts = prepare_files(args.category, cat, args.out, args.rejected, args.basedir)
-    except (PrepareError, OSError, json.JSONDecodeError) as exc:
+    except (PrepareError, ConfigError, OSError, json.JSONDecodeError) as exc:
         print(f"tokenmill prepare [{args.category}]: error: {exc}", file=sys.stderr)
         return 1
     status = guards.enforce(
@@ -434,7 +436,7 @@ def main(argv: list[str]) -> int:
         counts["records_in"],
         counts["kept"],
         args.rejected,
-        guards.limit_for(STAGE),
+        limit,
         key=f"reject_limits.{STAGE}",
         # the pipeline's own choices, not faults of the data: a prompt seen before, one not
         # among the sampled max_prompts

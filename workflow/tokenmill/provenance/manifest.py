@@ -20,9 +20,11 @@ Schema "tokenmill.provenance/1" (keys sorted on disk):
     model             id, revision, engine
     generation        fingerprint, sampling, stop_tokens, seed_policy, mode,
                       api_key_env (the variable's NAME only, never its value)
-    engine            [{category, shard, meta}] the generate meta files (redacted again)
-    jobs              [{category, shard, slurm_job_id, host, nodelist, start, end}]
-    times             start, end (earliest/latest of the meta files; else file mtimes)
+    engine            [{category, shard, meta}] the generate job records
+                      (contracts.GenerateJobRecord, redacted again)
+    jobs              [{category, shard, slurm_job_id, host, nodelist, start, end, attempts,
+                      gpu_hours}]: every attempt since the shard's previous record counted
+    times             start, end (the first attempt's start, the last record's end)
     software          python, platform, packages {name: version or null}
     workflow          git_commit, dirty (null when basedir is not a git checkout)
     draft_vocab       the draft vocabulary's vocab_mapping.json (draft and target sizes,
@@ -30,8 +32,8 @@ Schema "tokenmill.provenance/1" (keys sorted on disk):
                       file read), or null when the run built none; token_counts {path:
                       loss tokens} of every counts file (results/token_counts/)
     outputs           [{path (relative to results), size, sha256, rows (parquet only)}],
-                      every file under results except the journal, provenance.json,
-                      run logs (logs/, benchmarks/), report.html and hidden files
+                      every file the config declares (layout.published_files) and every
+                      file of the declared hidden-state shard folders
     generated_samples {path: {prompt_id: sha256(output_ids as little-endian int32)[:16]}}
                       so a rerun can be compared sample by sample
     hidden_states     only when the stage ran (hidden_states.enabled): per shard folder
@@ -202,26 +204,28 @@ def output_paths(results: Path, config: Settings | dict) -> list[str]:
     return [Path(p).relative_to(results).as_posix() for p in layout.published_files(lay, config)]
 
 
-def _hidden_states_manifests(results: Path, config: Settings) -> dict[str, dict]:
-    """{shard folder (relative): its manifest.json} of the hidden_states stage's declared
-    shards."""
+def _hidden_states_manifests(results: Path, config: Settings) -> dict:
+    """{shard folder (relative): its contracts.HiddenStatesManifest} of the hidden_states
+    stage's declared shards."""
     if not config.hidden_states.enabled:
         return {}
     lay = layout.Layout(str(results), config.journal_dir)
     out = {}
     for c, shards in layout.declared(config).items():
         for s in shards:
-            m = Path(lay.hidden_states_manifest(c, s))
-            out[m.parent.relative_to(results).as_posix()] = json.loads(m.read_text())
+            folder = Path(lay.hidden_states_dir(c, s))
+            out[folder.relative_to(results).as_posix()] = contracts.HiddenStatesManifest.read(
+                lay.hidden_states_manifest(c, s)
+            )
     return out
 
 
-def _hidden_states(manifests: dict[str, dict]) -> dict:
+def _hidden_states(manifests: dict) -> dict:
     """Per shard folder: rows, tokens, bytes, layer ids, dtype, layouts, the stage fingerprint
     (the row files themselves are in `outputs`)."""
     return {
-        d: {k: m.get(k) for k in ("rows", "tokens", "bytes", "layer_ids", "dtype", "layouts",
-                                  "fingerprint")}
+        d: {"rows": m.rows, "tokens": m.tokens, "bytes": m.bytes, "layer_ids": m.layer_ids,
+            "dtype": m.dtype, "layouts": m.layouts, "fingerprint": m.fingerprint}
         for d, m in manifests.items()
     }  # fmt: skip
 
@@ -233,15 +237,13 @@ def list_outputs(results: Path, config: Settings | dict) -> list[dict]:
     re-reads)."""
     config = as_settings(config)
     manifests = _hidden_states_manifests(results, config)
-    rels = output_paths(results, config)
-    rels += [f"{d}/{f['path']}" for d, m in manifests.items() for f in m.get("files", [])]
-    known = {f"{d}/{f['path']}": f for d, m in manifests.items() for f in m.get("files", [])}
+    known = {f"{d}/{f.path}": f for d, m in manifests.items() for f in m.files}
     entries = []
-    for rel in sorted(rels):
+    for rel in sorted([*output_paths(results, config), *known]):
         p = results / rel
         k = known.get(rel)
-        if k and p.stat().st_size == k["size"]:
-            entries.append({"path": rel, "size": k["size"], "sha256": k["sha256"]})
+        if k and p.stat().st_size == k.size:
+            entries.append({"path": rel, "size": k.size, "sha256": k.sha256})
             continue
         e = file_entry(p, rel)
         if p.suffix == ".parquet":
@@ -270,31 +272,24 @@ def build(results_dir, config: Settings | dict, configfiles=(), basedir=".", out
     declared = layout.declared(settings)
     engine, jobs, starts, ends = [], [], [], []
     for cat, shard in ((c, s) for c, shards in declared.items() for s in shards):
-        meta = redact(json.loads(Path(lay.generate_record(cat, shard)).read_text()))
-        engine.append({"category": cat, "shard": shard, "meta": meta})
-        start = meta.get("start_time") or meta.get("start")
-        end = meta.get("end_time") or meta.get("end")
-        starts += [str(start)] if start else []
-        ends += [str(end)] if end else []
-        slurm = meta.get("slurm") if isinstance(meta.get("slurm"), dict) else {}
+        record = contracts.GenerateJobRecord.read(lay.generate_record(cat, shard))
+        engine.append({"category": cat, "shard": shard, "meta": redact(record.to_json())})
+        starts += [a.started for a in record.attempts]
+        ends += [record.end_time]
         jobs.append(
             {
                 "category": cat,
                 "shard": shard,
-                "slurm_job_id": meta.get("slurm_job_id") or slurm.get("job_id"),
-                "nodelist": meta.get("slurm_nodelist") or slurm.get("nodelist"),
-                "host": meta.get("host"),
-                "start": start,
-                "end": end,
+                "slurm_job_id": record.slurm.job_id,
+                "nodelist": record.slurm.nodelist,
+                "host": record.host,
+                "start": record.start_time,
+                "end": record.end_time,
+                "attempts": len(record.attempts),
+                "gpu_hours": round(record.gpu_s / 3600, 6),
             }
         )
     outputs = list_outputs(results, settings)
-    if not starts and outputs:
-        mtimes = [(results / e["path"]).stat().st_mtime for e in outputs]
-        from datetime import UTC, datetime
-
-        starts = [datetime.fromtimestamp(min(mtimes), UTC).isoformat()]
-        ends = [datetime.fromtimestamp(max(mtimes), UTC).isoformat()]
     tok_fps = sorted(
         {
             contracts.read_metadata(f).get(contracts.META_TOKENIZER_FINGERPRINT)

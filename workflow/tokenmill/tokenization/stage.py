@@ -805,8 +805,10 @@ def main(argv: list[str]) -> int:
         help="dataset.think_end_token: where a context: regenerated category splits answers",
     )
     parser.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS, help=argparse.SUPPRESS)
+    guards.add_limits_argument(parser)
     args = parser.parse_args(argv)
     try:
+        limit = guards.limit_for(STAGE, args.reject_limits)  # ConfigError names the key
         cores = args.workers or available_cores()
         # Rust's thread pool reads this once, at its first use (after the tokenizer loads).
         os.environ.setdefault("RAYON_NUM_THREADS", str(cores))
@@ -850,7 +852,7 @@ def main(argv: list[str]) -> int:
         s.records_in,
         s.kept,
         args.rejected,
-        guards.limit_for(STAGE),
+        limit,
         key=f"reject_limits.{STAGE}",
     )
     if status:
