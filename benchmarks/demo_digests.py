@@ -6,8 +6,8 @@ same config (a refactor must leave them byte-identical):
 
 Parquet files are compared by their rows (the footer records the writer's version), generated
 shards by their token columns: latency, server and cached-token counts are the engine's timing,
-not the data. JSON files outside the stats and provenance (which hold timings and hosts) are
-compared byte for byte."""
+not the data. The generate jobs' records (`.meta.json`: hosts, times, attempts), provenance and
+the dataset card are left out; every other file is compared byte for byte."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 TIMING_COLUMNS = {"latency_s", "server", "cached_tokens"}
+# records of what a job did (hosts, times, attempts), not data
+SKIPPED = ("provenance.json", "README.md")
 FOLDERS = ("prompts", "rejected", "tokenized", "generated", "dataset", "export", "token_counts")
 
 
@@ -33,7 +35,7 @@ def digests(results: Path) -> dict[str, str]:
     out = {}
     for folder in FOLDERS:
         for path in sorted((results / folder).rglob("*")):
-            if not path.is_file() or path.name in ("provenance.json", "README.md"):
+            if not path.is_file() or path.name in SKIPPED or path.name.endswith(".meta.json"):
                 continue
             rel = path.relative_to(results).as_posix()
             if path.suffix == ".parquet":

@@ -26,6 +26,8 @@ import pytest
 import yaml
 from helpers import BIN, copy_workflow, snakemake
 
+from tokenmill.settings import Settings
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
@@ -75,7 +77,7 @@ def test_profile_retries_are_the_only_count_and_a_fail_fast_is_paid_once(tmp_pat
     gen = config["generation"]
     gen["launch"]["command"] = [*fake, "--exit-at-start", "3"]
     gen["launch"]["startup_timeout_s"] = 30
-    gen["retry"].update(backoff_initial_s=0.05, backoff_max_s=0.1)
+    gen["retry"] = {"backoff_initial_s": 0.05, "backoff_max_s": 0.1}
     (workdir / "starts.yaml").write_text(yaml.safe_dump(config))
     logs = workdir / "results/logs/generate/chat/000"
 
@@ -114,8 +116,9 @@ def test_profile_retries_are_the_only_count_and_a_fail_fast_is_paid_once(tmp_pat
     requests = fake_sglang.count_requests(counter)
     # the message counts the requests sent; the server logs those it answered (the ones in
     # flight when the job stopped may never reach its log): at most one attempt's worth
-    assert int(first[0]) <= gen["concurrency"] + gen["retry"]["fail_fast_after"]
-    assert gen["retry"]["fail_fast_after"] <= requests <= int(first[0])
+    settings = Settings.from_config(config).generation  # the schema's defaults filled in
+    assert int(first[0]) <= settings.concurrency + settings.retry.fail_fast_after
+    assert settings.retry.fail_fast_after <= requests <= int(first[0])
     # The first phase's lines are still there: no attempt erased an earlier one's log.
     assert history.count("generate failed:") == 3 + 1 + 2, history[-4000:]
     # Snakemake's own log of the job: the last attempt only.
