@@ -35,6 +35,8 @@ import pytest
 import yaml
 from helpers import BIN, ROOT, tool_env
 
+from tokenmill import contracts
+
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
 PROBE = "tests/slurm/engine_probe.py"
 PROBE_LOG = "engine-probe.jsonl"
@@ -321,9 +323,14 @@ def test_each_generate_job_ran_its_engine_on_its_gpu(pipeline):
         assert e["slurm_step_gpus"] == e["cuda_visible_devices"], e
     stops = {e["pid"] for e in probe_events(workdir) if e["event"] == "stop"}
     assert {e["pid"] for e in starts} <= stops, "an engine was not stopped"
-    for meta in (workdir / "results/generated").glob("*/*.meta.json"):
-        slurm = json.loads(meta.read_text())["slurm"]
-        assert slurm.get("SLURM_JOB_ID") in gen_jobs, (meta, slurm)
+    records = [contracts.GenerateJobRecord.read(m) for m in
+               sorted((workdir / "results/generated").glob("*/*.meta.json"))]  # fmt: skip
+    assert len(records) == len(gen_jobs)
+    for record in records:
+        # the job record names its SLURM job, and each attempt it paid for ran in one of them
+        assert record.slurm.job_id in gen_jobs, record.slurm
+        assert record.attempts and {a.slurm.job_id for a in record.attempts} <= gen_jobs
+        assert record.attempts[-1].status == "ok" and record.attempts[-1].gpus == 1
 
 
 # ---------------------------------------------------------------------------------- mistakes
