@@ -182,11 +182,11 @@ class Layout:
         return self._r(DATASET_DIR, MAPPING_DIR)
 
     def vocab_mapping_summary(self) -> str:
-        return self._r(DATASET_DIR, MAPPING_DIR, MAPPING_SUMMARY)
+        return os.path.join(self.vocab_mapping_dir(), MAPPING_SUMMARY)
 
     def vocab_mapping_files(self, formats: Iterable[str], draft_size: int) -> list[str]:
         return [
-            self._r(DATASET_DIR, MAPPING_DIR, name)
+            os.path.join(self.vocab_mapping_dir(), name)
             for fmt in formats
             for name in mapping_format_files(fmt, draft_size)
         ]
@@ -195,16 +195,16 @@ class Layout:
         return self._r("stats")
 
     def stats_summary(self) -> str:
-        return self._r("stats", "summary.json")
+        return os.path.join(self.stats_dir(), "summary.json")
 
     def stats_table(self) -> str:
-        return self._r("stats", "summary.md")
+        return os.path.join(self.stats_dir(), "summary.md")
 
     def length_plot(self, metric: str) -> str:
-        return self._r("stats", f"length_{metric}.png")
+        return os.path.join(self.stats_dir(), f"length_{metric}.png")
 
     def coverage_plot(self) -> str:
-        return self._r("stats", COVERAGE_PLOT)
+        return os.path.join(self.stats_dir(), COVERAGE_PLOT)
 
     def card(self) -> str:
         return self._r(DATASET_DIR, CARD)
@@ -252,10 +252,6 @@ class Layout:
         return self._r("benchmarks", stage, category, f"{shard}.tsv")
 
     # ------------------------------------------------------------------------------ journal
-    def journal_category(self, category: str) -> str:
-        """generate's sample journal of a category (generate/journal.py names its files)."""
-        return self._j(category)
-
     def job_dir(self, stage: str, category: str, shard: str) -> str:
         """The GPU-job harness's state of one shard's job (tokenmill/jobs.py)."""
         return self._j("_jobs", stage, category, shard)
