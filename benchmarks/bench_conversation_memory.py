@@ -2,7 +2,7 @@
 (context: regenerated), for several shard shapes, and the ratios between them.
 
     python benchmarks/bench_conversation_memory.py [--shapes 1000x4,1000x16,10000x4]
-                                                   [--output-len 200]
+                                                   [--output-len 200] [--template non-exact]
 
 For each shape CONVERSATIONSxTURNS: writes a shard of distinct prefix-exact conversations (a
 52-token first prompt, 4-token segments, answers of --output-len tokens from the stand-in
@@ -12,6 +12,15 @@ journal (every turn from the compacted journal, 0 requests), then merges the gen
 (dataset/merge.py, in its own process). Peak RSS is each process's own: /usr/bin/time's %M for
 the generate job (a fresh process: ru_maxrss of a child of this bench would carry this bench's
 size over through fork), VmHWM for the merge.
+
+`--template non-exact` measures merge alone on the shape a template that is not prefix-exact
+gives (the demo's, which drops earlier turns' reasoning): every turn is its own dataset row and
+turn k's prompt holds the first prompt plus, for each earlier turn, a 4-token segment and the
+answer part of its output (the reasoning dropped), so the shard's tokens grow with the square
+of the turns. The generated shard is written directly with those prompts and
+--output-len-token outputs (reasoning, think-end, answer, stop), keys computed as generate
+computes them: building such prompts through the CLI needs a chat template and a real tokenizer,
+which the prefix-exact shape does not.
 
 The last lines compare shapes with as many conversations (all of them in flight at once, as
 generation.concurrency allows): the peak at 16 turns over the peak at 4 turns; issue 19's
@@ -33,6 +42,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 import fake_sglang  # noqa: E402
 from bench_conversations import conversation_shard  # noqa: E402
+from test_conversation_stream import THINK_END, non_exact_shards  # noqa: E402
 
 from tokenmill.engines.launch import free_port  # noqa: E402
 
@@ -83,10 +93,21 @@ def merge_child(tokenized: str, generated: str, tmp: str) -> int:
     from tokenmill.dataset import merge as m
     from tokenmill.dataset import validate
 
-    rules = validate.Rules(vocab_size=VOCAB, stop_ids=(STOP,), max_sequence_tokens=1 << 20)
+    rules = validate.Rules(
+        vocab_size=VOCAB, stop_ids=(STOP,), max_sequence_tokens=1 << 24, think_end_id=THINK_END
+    )
     fp = contracts.read_metadata(generated)[contracts.META_GENERATION_FINGERPRINT]
-    res = m.merge_shard(tokenized, generated, f"{tmp}/dataset.parquet", f"{tmp}/mrej.parquet",
-                        rules, fp, "mt", "000")  # fmt: skip
+    res = m.merge_shard(
+        tokenized,
+        generated,
+        f"{tmp}/dataset.parquet",
+        f"{tmp}/mrej.parquet",
+        rules,
+        fp,
+        "mt",
+        "000",
+        counts_out=f"{tmp}/counts.parquet",
+    )  # as the merge_shard rule runs it
     hwm = next(
         int(line.split()[1])
         for line in Path("/proc/self/status").read_text().splitlines()
@@ -98,9 +119,15 @@ def merge_child(tokenized: str, generated: str, tmp: str) -> int:
     return 0
 
 
-def shape_run(port: int, conversations: int, turns: int) -> dict:
+def shape_run(port: int, conversations: int, turns: int, template: str, output_len: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
+        shape = f"{conversations} conversations x {turns} turns ({template})"
+        if template == "non-exact":
+            tokenized, _ = non_exact_shards(tmp, conversations, turns, output_len)
+            res = {"merge": merge(tmp, tokenized)}
+            print(f"{shape}, merge: {json.dumps(res['merge'])}", flush=True)
+            return res
         tokenized = tmp / "000.parquet"
         conversation_shard(tokenized, [turns] * conversations)
         gen = {
@@ -113,7 +140,6 @@ def shape_run(port: int, conversations: int, turns: int) -> dict:
         }  # fmt: skip
         (tmp / "gen.json").write_text(json.dumps(gen))
         (tmp / "tok.json").write_text(json.dumps({"path": "unused"}))
-        shape = f"{conversations} conversations x {turns} turns"
         res = {}
         for tag in ("generate", "rerun"):
             res[tag] = generate(tmp, tokenized, tag)
@@ -129,6 +155,12 @@ def main() -> int:
                     help="CONVERSATIONSxTURNS, comma-separated")  # fmt: skip
     ap.add_argument("--output-len", type=int, default=200,
                     help="answer tokens before the stop token (0: 1-5)")  # fmt: skip
+    ap.add_argument(
+        "--template",
+        choices=("exact", "non-exact"),
+        default="exact",
+        help="prefix-exact conversations (generate and merge) or not (merge)",
+    )
     ap.add_argument("--merge", nargs=3, metavar=("TOKENIZED", "GENERATED", "DIR"),
                     help=argparse.SUPPRESS)  # fmt: skip
     args = ap.parse_args()
@@ -137,18 +169,19 @@ def main() -> int:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     port = free_port()
     flags = ["--output-len", str(args.output_len)] if args.output_len else []
-    server = fake_sglang.start(port, *flags)
+    server = fake_sglang.start(port, *flags) if args.template == "exact" else None
     results = {}
     try:
         for n, t in shapes:
-            results[n, t] = shape_run(port, n, t)
+            results[n, t] = shape_run(port, n, t, args.template, args.output_len)
     finally:
-        server.kill()
+        if server is not None:
+            server.kill()
     for (n, t), res in results.items():
         base = results.get((n, 4))
         if t == 4 or base is None:
             continue
-        for step in ("generate", "rerun", "merge"):
+        for step in res:
             ratio = res[step]["peak_rss_mib"] / base[step]["peak_rss_mib"]
             print(f"{n} conversations, {step}: peak RSS at {t} turns / at 4 turns = {ratio:.2f}x")
     return 0

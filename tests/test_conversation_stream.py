@@ -11,12 +11,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tokenmill import contracts, engines
+from tokenmill import contracts, engines, keys
 from tokenmill.dataset import merge, validate
 from tokenmill.engines.launch import free_port
 from tokenmill.generate import conversations, journal
 
 STOP = 2
+THINK_END = 4
 
 
 def conversation_shard(path: Path, n: int, turns: int) -> None:
@@ -33,6 +34,49 @@ def conversation_shard(path: Path, n: int, turns: int) -> None:
     meta = {contracts.META_CONTEXT: "regenerated", contracts.META_MAX_PROMPT_TOKENS: "100000"}
     schema = contracts.TOKENIZED_CONVERSATIONS
     contracts.write_table(pa.Table.from_pylist(rows, schema=schema), path, schema, "tokenize", meta)
+
+
+def non_exact_shards(tmp: Path, conversations: int, turns: int, output_len: int):
+    """(tokenized, generated): a conversation shard (prefix_exact false) and its generated turn
+    rows, as a template that drops earlier turns' reasoning makes them: turn k's prompt is the
+    first prompt plus, for each earlier turn, a 4-token segment and the answer part of its
+    output; outputs are reasoning, THINK_END, answer, STOP. Keys as generate computes them.
+    (bench_conversation_memory.py --template non-exact measures merge on it.)"""
+    tok_rows, gen_rows = [], []
+    output_len = max(output_len, 8)
+    for c in range(conversations):
+        pid = f"{c:032x}"
+        first = [1000 + c % 500, 1000 + c // 500 % 500, *range(10, 60)]
+        tok_rows.append({
+            "prompt_id": pid, "prompt_ids": first, "num_prompt_tokens": len(first),
+            "num_turns": turns, "prefix_exact": False, "turn_segments": None,
+            "tool_call_ids": [None] * turns, "messages": "[]", "tools": None,
+        })  # fmt: skip
+        prompt = list(first)
+        for k in range(turns):
+            answer = [300 + (c + k) % 200] * (output_len // 4)
+            output = [200 + k % 50] * (output_len - len(answer) - 2) + [THINK_END, *answer, STOP]
+            gen_rows.append({
+                "prompt_id": pid, "output_ids": output, "finish_type": "stop",
+                "finish_matched_id": STOP, "turn": k, "turn_prompt_ids": list(prompt),
+                "prefix_exact": False,
+                "conversation_end": "last_turn" if k == turns - 1 else "continues",
+            })  # fmt: skip
+            prompt += [5, 6, 100 + k % 100, 7, *answer, STOP]
+    meta = {contracts.META_CONTEXT: "regenerated", contracts.META_MAX_PROMPT_TOKENS: "100000000"}
+    tokenized, generated = tmp / "000.parquet", tmp / "generated.parquet"
+    schema = contracts.TOKENIZED_CONVERSATIONS
+    contracts.write_table(pa.Table.from_pylist(tok_rows, schema=schema), tokenized, schema,
+                          "tokenize", meta)  # fmt: skip
+    prompts = pa.array([r["turn_prompt_ids"] for r in gen_rows], pa.list_(pa.int32()))
+    for row, key in zip(gen_rows, keys.sample_keys("fp-non-exact", prompts), strict=True):
+        row["sample_key"] = key
+    meta = {contracts.META_CONTEXT: "regenerated",
+            contracts.META_GENERATION_FINGERPRINT: "fp-non-exact"}  # fmt: skip
+    schema = contracts.GENERATED_TURNS
+    contracts.write_table(pa.Table.from_pylist(gen_rows, schema=schema), generated, schema,
+                          "generate", meta)  # fmt: skip
+    return tokenized, generated
 
 
 def test_a_turns_prompt_is_not_held_once_answered(tmp_path):
@@ -142,3 +186,52 @@ def test_generate_and_merge_write_a_conversation_shard_by_row_group(tmp_path, mo
     assert whole.num_row_groups == 1
     assert streamed.read().equals(whole.read())
     assert streamed.schema_arrow.metadata == whole.schema_arrow.metadata
+
+
+def test_merge_reads_a_non_prefix_exact_shard_in_token_bounded_batches(tmp_path, monkeypatch):
+    """Turn rows of a template that is not prefix-exact hold their whole prompt (tokens grow
+    with the square of the turns): merge's batches end at contracts.ROW_GROUP_TOKENS tokens, not
+    only at CONVERSATION_BATCH_ROWS rows, and the rows and loss-token counts are those of a
+    merge that reads the shard in one piece."""
+    from tokenmill.dataset import draft_vocab
+
+    tokenized, generated = non_exact_shards(tmp_path, 40, 8, 64)
+    rules = validate.Rules(vocab_size=2048, stop_ids=(STOP,), think_end_id=THINK_END,
+                           max_sequence_tokens=1 << 20)  # fmt: skip
+    batch_tokens = []
+    take = merge._RowGroupColumn.take
+
+    def spy(self, rows, batch_no):
+        out = take(self, rows, batch_no)
+        if self.column == "turn_prompt_ids":
+            batch_tokens.append(int(pa.compute.sum(pa.compute.list_value_length(out)).as_py()))
+        return out
+
+    def merged(name: str):
+        out = tmp_path / f"{name}.parquet"
+        res = merge.merge_shard(tokenized, generated, out, tmp_path / f"{name}.rej.parquet",
+                                rules, "fp-non-exact", "mt", "000",
+                                counts_out=tmp_path / f"{name}.counts.parquet")  # fmt: skip
+        assert (res.kept, res.rejected) == (40 * 8, 0)
+        return pq.read_table(out), pq.read_table(tmp_path / f"{name}.counts.parquet")
+
+    monkeypatch.setattr(merge._RowGroupColumn, "take", spy)
+    monkeypatch.setattr(contracts, "ROW_GROUP_TOKENS", 4096)
+    streamed, streamed_counts = merged("streamed")
+    longest = max(
+        sum(len(p) for p in conv)
+        for conv in [pq.read_table(generated).column("turn_prompt_ids").to_pylist()[i : i + 8]
+                     for i in range(0, 320, 8)]
+    )  # fmt: skip
+    # two passes (validation, rows) over the same batches: each below the bound plus one
+    # conversation, and more than one batch
+    assert len(batch_tokens) > 4 and max(batch_tokens) < 4096 + longest, batch_tokens
+    monkeypatch.setattr(contracts, "ROW_GROUP_TOKENS", 1 << 30)
+    batch_tokens.clear()
+    whole, whole_counts = merged("whole")
+    assert len(batch_tokens) == 2  # one batch, read twice
+    assert streamed.equals(whole) and streamed_counts.equals(whole_counts)
+    counts, rows = draft_vocab.count_dataset(tmp_path / "whole.parquet", 2048, batch_size=7)
+    assert rows == 320 and int(counts.sum()) == int(
+        sum(sum(m) for m in whole.column("loss_mask").to_pylist())
+    )

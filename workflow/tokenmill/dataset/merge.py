@@ -495,8 +495,9 @@ def merge_conversation_shard(
     those with a dataset row, + rejected, those without; tokenized conversations = in +
     generate's rejected) and in turns (turns_*: generated turn rows = kept + rejected).
 
-    Streamed: the token columns are read in batches of whole conversations (about
-    CONVERSATION_BATCH_ROWS turn rows, input row groups released after their last batch), once
+    Streamed: the token columns are read in batches of whole conversations (at most about
+    CONVERSATION_BATCH_ROWS turn rows or contracts.ROW_GROUP_TOKENS tokens, input row groups
+    released after their last batch), once
     to validate (only a reason and a reasoning count per turn are kept, so the counts that go
     into the file's metadata are known before its first row) and once to build the rows, which
     are cut into row groups as they come (contracts.RowGroupBuffer)."""
@@ -519,16 +520,23 @@ def merge_conversation_shard(
     known = set(tok_pids)
     rejects = _Rejects(category, shard)
 
-    # Batches of whole conversations (prompt_id order) of about CONVERSATION_BATCH_ROWS turn
-    # rows: the token columns are read a batch at a time, twice (validation, then the rows).
+    # Batches of whole conversations (prompt_id order) that end once they hold
+    # CONVERSATION_BATCH_ROWS turn rows or contracts.ROW_GROUP_TOKENS prompt + output tokens (a
+    # turn's prompt holds the earlier turns: a conversation's tokens grow with the square of its
+    # turns, so a row bound alone let 16-turn batches grow 4x over 4-turn ones): the token
+    # columns are read a batch at a time, twice (validation, then the rows).
+    turn_tokens_ = _list_lengths(generated, "turn_prompt_ids") + _list_lengths(
+        generated, "output_ids"
+    )
     batches: list[list[str]] = [[]]
-    n_rows = 0
+    n_rows = n_tokens = 0
     for pid in sorted(p for p in by_conv if p in known):
-        if n_rows >= CONVERSATION_BATCH_ROWS:
+        if n_rows >= CONVERSATION_BATCH_ROWS or n_tokens >= contracts.ROW_GROUP_TOKENS:
             batches.append([])
-            n_rows = 0
+            n_rows = n_tokens = 0
         batches[-1].append(pid)
         n_rows += len(by_conv[pid])
+        n_tokens += int(turn_tokens_[by_conv[pid]].sum())
     batch_rows = [np.array([i for pid in b for i in by_conv[pid]], np.int64) for b in batches]
 
     def turn_tokens(cols, rows, b):
