@@ -12,6 +12,7 @@ from test_merge import build_tokenizer, gen_row, write_generated
 from test_stats import CONFIG, build_results
 
 import tokenmill
+from tokenmill import contracts
 from tokenmill.provenance import manifest as provenance
 from tokenmill.provenance import verify
 
@@ -147,9 +148,36 @@ def test_verify_pass_and_tamper(tmp_path, monkeypatch, capsys):
     assert "missing: token_counts/code/000.parquet" in text
 
 
+def test_provenance_is_read_as_its_typed_record(tmp_path, monkeypatch, capsys):
+    """verify, compare and reproduce-config read provenance.json strictly: what the writer
+    wrote reads back equal, and an unknown key or another schema version is one line naming
+    it, not a guess."""
+    from tokenmill.provenance import reproduce
+
+    base, r, config = setup_run(tmp_path, monkeypatch)
+    out = run_provenance(base, r, config)
+    m = contracts.Provenance.read(out)
+    assert json.loads(provenance.dumps(m, config)) == json.loads(out.read_text())
+    assert m.jobs[0].slurm_job_id == "42" and m.outputs[0].sha256
+    raw = json.loads(out.read_text())
+    for change, named in (
+        ({"outputs": [{**raw["outputs"][0], "sha": "x"}]}, "unknown key 'sha'"),
+        ({"schema": "tokenmill.provenance/0"}, "'tokenmill.provenance/0'"),
+        ({"times": {"start": None}}, "missing key 'end'"),
+    ):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({**raw, **change}))
+        assert verify.main([str(bad), str(r)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert named in err and len(err.splitlines()) == 1, err
+        assert reproduce.main([str(bad), "--out", str(tmp_path / "repro.yaml")]) == 1
+        assert named in capsys.readouterr().err
+    assert not (tmp_path / "repro.yaml").exists()
+
+
 def test_check_reproducible(tmp_path, monkeypatch):
     base, r, config = setup_run(tmp_path, monkeypatch)
-    m = json.loads(run_provenance(base, r, config).read_text())
+    m = contracts.Provenance.read(run_provenance(base, r, config))
     assert provenance.check_reproducible(m, config, base) == []
     (base / "data" / "chat.jsonl").write_text('{"conversations": [1]}\n')
     (base / "tok" / "tokenizer.json").write_text("{}")
@@ -166,7 +194,7 @@ def test_check_reproducible(tmp_path, monkeypatch):
 def test_compare_outputs_identical_and_altered(tmp_path, monkeypatch):
     base, r, config = setup_run(tmp_path, monkeypatch)
     out = run_provenance(base, r, config)
-    m = json.loads(out.read_text())
+    m = contracts.Provenance.read(out)
     rep = provenance.compare_outputs(m, r)
     assert rep["ok"] and rep["byte_identical_stages"]["different"] == []
     assert len(rep["byte_identical_stages"]["identical"]) == 5  # 2 prompts + 3 tokenized
@@ -208,11 +236,11 @@ def test_absolute_paths_for_sources_tokenizer_and_model(tmp_path, monkeypatch):
     config["generation"]["model"] = str(base / "tok")
     config["categories"]["chat"]["sources"] = [str(base / "data" / "*.jsonl")]
     config["categories"]["code"]["sources"] = [str(base / "data" / "code.jsonl")]
-    m = json.loads(run_provenance(base, r, config).read_text())
-    assert {e["path"] for e in m["inputs"]["chat"]} == {
+    m = contracts.Provenance.read(run_provenance(base, r, config))
+    assert {e.path for e in m.inputs["chat"]} == {
         str(base / "data" / "chat.jsonl"),
         str(base / "data" / "code.jsonl"),
     }
-    assert str(base / "tok" / "tokenizer.json") in {e["path"] for e in m["tokenizer"]["files"]}
-    assert m["model"]["id"] == str(base / "tok")
+    assert str(base / "tok" / "tokenizer.json") in {e.path for e in m.tokenizer.files}
+    assert m.model.id == str(base / "tok")
     assert provenance.check_reproducible(m, config, "/nonexistent-basedir") == []

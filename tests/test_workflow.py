@@ -36,6 +36,7 @@ import yaml
 from helpers import BIN, ROOT, copy_run, copy_workflow, snakemake, tool_env
 from test_merge import python_loss_counts  # the plain recount, shared with the merge tests
 
+from tokenmill import contracts
 from tokenmill.tokenization.shards import shard_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -646,4 +647,5 @@ def test_absolute_paths_everywhere_provenance_and_verify(absolute_run):
     from tokenmill.provenance.reproduce import reproduce_problems
 
     resolved = check_config(json.loads(json.dumps(config)), absolute_run["workdir"])
-    assert reproduce_problems(manifest, resolved, absolute_run["workdir"]) == []
+    typed = contracts.Provenance.from_json(manifest)
+    assert reproduce_problems(typed, resolved, absolute_run["workdir"]) == []

@@ -1035,3 +1035,149 @@ class StatsSummary(Record):
     categories: dict[str, ScopeStats]
     overall: ScopeStats
     conservation: Conservation
+
+
+# ------------------------------------------------------------------------ the provenance
+
+
+@dataclass(frozen=True)
+class FileDigest(Record):
+    """A file as provenance records it: the path as given, its size and sha256."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class OutputFile(Record):
+    """An output of the run: path relative to the results folder (or the dataset folder, in
+    that folder's own manifest); rows for Parquet files."""
+
+    path: str
+    size: int
+    sha256: str
+    rows: int | None = None
+
+
+@dataclass(frozen=True)
+class InputFile(Record):
+    kind: str  # "file"
+    path: str  # as the config writes it (relative to the workflow, or absolute)
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class HubInput(Record):
+    kind: str  # "hub"
+    name: str
+    config: str | None
+    split: str
+    revision: str | None
+
+
+@dataclass(frozen=True)
+class ConfigProvenance(Record):
+    resolved: dict  # the resolved config, secrets redacted (reproduce-config reads it whole)
+    sha256: str  # of its canonical JSON before redaction
+    files: list[FileDigest]  # the --configfiles
+
+
+@dataclass(frozen=True)
+class TokenizerProvenance(Record):
+    path: str
+    revision: str | None
+    trust_remote_code: bool
+    chat_template: str | None
+    chat_template_kwargs: JSON
+    fingerprints: list[str]  # of the tokenized shards
+    files: list[FileDigest]  # a local tokenizer folder's files and the chat template file
+
+
+@dataclass(frozen=True)
+class ModelProvenance(Record):
+    id: str
+    revision: str | None
+    engine: str
+
+
+@dataclass(frozen=True)
+class GenerationProvenance(Record):
+    fingerprint: str
+    sampling: dict
+    stop_tokens: JSON
+    seed_policy: str
+    mode: str
+    api_key_env: str | None  # the variable's NAME, never its value
+
+
+@dataclass(frozen=True)
+class EngineProvenance(Record):
+    category: str
+    shard: str
+    meta: dict  # the generate job's record (GenerateJobRecord), redacted again
+
+
+@dataclass(frozen=True)
+class JobProvenance(Record):
+    category: str
+    shard: str
+    slurm_job_id: str | None
+    nodelist: str | None
+    host: str
+    start: str
+    end: str
+    attempts: int
+    gpu_hours: float
+
+
+@dataclass(frozen=True)
+class RunTimes(Record):
+    start: str | None  # the first attempt's start
+    end: str | None  # the last job record's end
+
+
+@dataclass(frozen=True)
+class WorkflowProvenance(Record):
+    git_commit: str | None  # null when the workflow folder is not a git checkout
+    dirty: bool | None
+
+
+@dataclass(frozen=True)
+class HiddenStatesProvenance(Record):
+    rows: int
+    tokens: int
+    bytes: int
+    layer_ids: list[int]
+    dtype: str
+    layouts: list[str]
+    fingerprint: dict
+
+
+@dataclass(frozen=True)
+class Provenance(Record):
+    """provenance.json (provenance/manifest.py, whose docstring says what each key holds), and
+    the dataset folder's own copy (scope "dataset": outputs relative to that folder,
+    run_outputs the run's)."""
+
+    SCHEMA: ClassVar[str] = "tokenmill.provenance/1"
+    results_dir: str
+    config: ConfigProvenance
+    inputs: dict[str, list[InputFile | HubInput]]
+    prepare_metadata: dict[str, dict[str, str]]
+    tokenizer: TokenizerProvenance
+    model: ModelProvenance
+    generation: GenerationProvenance
+    engine: list[EngineProvenance]
+    jobs: list[JobProvenance]
+    times: RunTimes
+    software: JSON  # python, platform, package versions: for people, never compared
+    workflow: WorkflowProvenance
+    outputs: list[OutputFile]
+    draft_vocab: dict | None  # vocab_mapping.json as written (null: no draft vocabulary)
+    token_counts: dict[str, int]  # loss tokens of each counts file
+    generated_samples: dict[str, dict[str, str]]  # {path: {prompt_id: output digest}}
+    hidden_states: dict[str, HiddenStatesProvenance] | None = None
+    scope: str | None = None  # "dataset" in the dataset folder's own manifest
+    run_outputs: list[OutputFile] | None = None

@@ -95,14 +95,14 @@ PACKAGES = (
 )
 
 
-def file_entry(path, shown=None) -> dict:
-    """{path, size, sha256} of a file; `shown` is the path to record (default: as given)."""
+def file_entry(path, shown=None) -> contracts.FileDigest:
+    """A file's path, size and sha256; `shown` is the path to record (default: as given)."""
     p = Path(path)
-    return {
-        "path": str(path) if shown is None else str(shown),
-        "size": p.stat().st_size,
-        "sha256": sha256_file(p),
-    }
+    return contracts.FileDigest(
+        path=str(path) if shown is None else str(shown),
+        size=p.stat().st_size,
+        sha256=sha256_file(p),
+    )
 
 
 def scrub_text(text: str, config: Settings | dict) -> str:
@@ -115,33 +115,33 @@ def scrub_text(text: str, config: Settings | dict) -> str:
     return text
 
 
-def _inputs(config: Settings, basedir: Path) -> dict:
+def _inputs(config: Settings, basedir: Path) -> dict[str, list]:
+    """{category: its sources, as contracts.InputFile and contracts.HubInput}."""
     out = {}
     for cat, spec in sorted(config.categories.items()):
         entries = []
         for s in spec.source_specs():
             if "hub" in s:
                 entries.append(
-                    {
-                        "kind": "hub",
-                        "name": s["hub"],
-                        "config": s["config"],
-                        "split": s["split"],
-                        "revision": s["revision"],
-                    }
+                    contracts.HubInput(
+                        kind="hub",
+                        name=s["hub"],
+                        config=s["config"],
+                        split=s["split"],
+                        revision=s["revision"],
+                    )
                 )
                 continue
             # The same expansion prepare reads (recursive globs, files only), recorded as the
             # config writes it: relative to the workflow, or absolute (/scratch/..., /data/...).
             for shown, f in expand_paths(s["path"], basedir):
                 e = file_entry(f, shown)
-                e["kind"] = "file"
-                entries.append(e)
+                entries.append(contracts.InputFile("file", e.path, e.size, e.sha256))
         out[cat] = entries
     return out
 
 
-def _tokenizer_files(config: Settings, basedir: Path) -> list[dict]:
+def _tokenizer_files(config: Settings, basedir: Path) -> list[contracts.FileDigest]:
     """Every file of a local tokenizer directory and the chat template file, each recorded
     under the path the config gives (tokenizer.path joined with the file's name inside it), so
     an absolute tokenizer.path such as /models/kimi is recorded as it is."""
@@ -160,7 +160,7 @@ def _tokenizer_files(config: Settings, basedir: Path) -> list[dict]:
     return files
 
 
-def _git(basedir: Path) -> dict:
+def _git(basedir: Path) -> contracts.WorkflowProvenance:
     def run(*args):
         try:
             r = subprocess.run(
@@ -172,7 +172,9 @@ def _git(basedir: Path) -> dict:
 
     commit = run("rev-parse", "HEAD")
     status = run("status", "--porcelain") if commit else None
-    return {"git_commit": commit, "dirty": None if status is None else bool(status)}
+    return contracts.WorkflowProvenance(
+        git_commit=commit, dirty=None if status is None else bool(status)
+    )
 
 
 def _version(package: str) -> str | None:
@@ -220,17 +222,19 @@ def _hidden_states_manifests(results: Path, config: Settings) -> dict:
     return out
 
 
-def _hidden_states(manifests: dict) -> dict:
+def _hidden_states(manifests: dict) -> dict[str, contracts.HiddenStatesProvenance]:
     """Per shard folder: rows, tokens, bytes, layer ids, dtype, layouts, the stage fingerprint
     (the row files themselves are in `outputs`)."""
     return {
-        d: {"rows": m.rows, "tokens": m.tokens, "bytes": m.bytes, "layer_ids": m.layer_ids,
-            "dtype": m.dtype, "layouts": m.layouts, "fingerprint": m.fingerprint}
+        d: contracts.HiddenStatesProvenance(
+            rows=m.rows, tokens=m.tokens, bytes=m.bytes, layer_ids=m.layer_ids, dtype=m.dtype,
+            layouts=m.layouts, fingerprint=m.fingerprint,
+        )
         for d, m in manifests.items()
     }  # fmt: skip
 
 
-def list_outputs(results: Path, config: Settings | dict) -> list[dict]:
+def list_outputs(results: Path, config: Settings | dict) -> list[contracts.OutputFile]:
     """{path, size, sha256, rows (Parquet)} of every declared file and every file of the
     declared hidden-state shard folders (their sha256 from the manifest their job wrote from
     the bytes it wrote, when the size on disk agrees: terabytes in a real run; verify
@@ -243,12 +247,11 @@ def list_outputs(results: Path, config: Settings | dict) -> list[dict]:
         p = results / rel
         k = known.get(rel)
         if k and p.stat().st_size == k.size:
-            entries.append({"path": rel, "size": k.size, "sha256": k.sha256})
+            entries.append(contracts.OutputFile(rel, k.size, k.sha256))
             continue
         e = file_entry(p, rel)
-        if p.suffix == ".parquet":
-            e["rows"] = pq.ParquetFile(p).metadata.num_rows
-        entries.append(e)
+        rows = pq.ParquetFile(p).metadata.num_rows if p.suffix == ".parquet" else None
+        entries.append(contracts.OutputFile(rel, e.size, e.sha256, rows))
     return entries
 
 
@@ -263,7 +266,9 @@ def sample_digests(path) -> dict[str, str]:
     }
 
 
-def build(results_dir, config: Settings | dict, configfiles=(), basedir=".", out_path=None) -> dict:
+def build(
+    results_dir, config: Settings | dict, configfiles=(), basedir=".", out_path=None
+) -> contracts.Provenance:
     results, base = Path(results_dir), Path(basedir)
     settings = as_settings(config)
     config = settings.raw  # the resolved config, as recorded
@@ -273,21 +278,21 @@ def build(results_dir, config: Settings | dict, configfiles=(), basedir=".", out
     engine, jobs, starts, ends = [], [], [], []
     for cat, shard in ((c, s) for c, shards in declared.items() for s in shards):
         record = contracts.GenerateJobRecord.read(lay.generate_record(cat, shard))
-        engine.append({"category": cat, "shard": shard, "meta": redact(record.to_json())})
+        engine.append(contracts.EngineProvenance(cat, shard, redact(record.to_json())))
         starts += [a.started for a in record.attempts]
         ends += [record.end_time]
         jobs.append(
-            {
-                "category": cat,
-                "shard": shard,
-                "slurm_job_id": record.slurm.job_id,
-                "nodelist": record.slurm.nodelist,
-                "host": record.host,
-                "start": record.start_time,
-                "end": record.end_time,
-                "attempts": len(record.attempts),
-                "gpu_hours": round(record.gpu_s / 3600, 6),
-            }
+            contracts.JobProvenance(
+                category=cat,
+                shard=shard,
+                slurm_job_id=record.slurm.job_id,
+                nodelist=record.slurm.nodelist,
+                host=record.host,
+                start=record.start_time,
+                end=record.end_time,
+                attempts=len(record.attempts),
+                gpu_hours=round(record.gpu_s / 3600, 6),
+            )
         )
     outputs = list_outputs(results, settings)
     tok_fps = sorted(
@@ -297,69 +302,66 @@ def build(results_dir, config: Settings | dict, configfiles=(), basedir=".", out
         }
         - {None}
     )
-    prepare_meta = {c: dict(contracts.read_metadata(lay.prompts(c))) for c in declared}
-    manifest = {
-        "schema": SCHEMA,
-        "results_dir": str(results_dir),
-        "config": {
-            "resolved": redact(config),
-            "sha256": hashlib.sha256(contracts.canonical_json(config).encode()).hexdigest(),
-            "files": [file_entry(f) for f in configfiles],
-        },
-        "inputs": _inputs(settings, base),
-        "prepare_metadata": prepare_meta,
-        "tokenizer": {
-            "path": tok.path,
-            "revision": tok.revision,
-            "trust_remote_code": tok.trust_remote_code,
-            "chat_template": tok.chat_template,
-            "chat_template_kwargs": tok.raw["chat_template_kwargs"],
-            "fingerprints": tok_fps,
-            "files": _tokenizer_files(settings, base),
-        },
-        "model": {
-            "id": gen.model,
-            "revision": gen.revision,
-            "engine": gen.engine,
-        },
-        "generation": {
-            "fingerprint": keys.generation_fingerprint(gen),
-            "sampling": gen.raw["sampling"],
-            "stop_tokens": gen.raw["stop_tokens"],
-            "seed_policy": gen.seed_policy,
-            "mode": gen.mode,
-            "api_key_env": gen.api_key_env,
-        },
-        "engine": engine,
-        "jobs": jobs,
-        "times": {"start": min(starts) if starts else None, "end": max(ends) if ends else None},
-        "software": _software(),
-        "workflow": _git(base),
-        "outputs": outputs,
-        "draft_vocab": _draft_vocab(lay),
-        "token_counts": {
-            e["path"]: int(contracts.read_metadata(results / e["path"])[contracts.META_LOSS_TOKENS])
+    return contracts.Provenance(
+        results_dir=str(results_dir),
+        config=contracts.ConfigProvenance(
+            resolved=redact(config),
+            sha256=hashlib.sha256(contracts.canonical_json(config).encode()).hexdigest(),
+            files=[file_entry(f) for f in configfiles],
+        ),
+        inputs=_inputs(settings, base),
+        prepare_metadata={c: dict(contracts.read_metadata(lay.prompts(c))) for c in declared},
+        tokenizer=contracts.TokenizerProvenance(
+            path=tok.path,
+            revision=tok.revision,
+            trust_remote_code=tok.trust_remote_code,
+            chat_template=tok.chat_template,
+            chat_template_kwargs=tok.raw["chat_template_kwargs"],
+            fingerprints=tok_fps,
+            files=_tokenizer_files(settings, base),
+        ),
+        model=contracts.ModelProvenance(id=gen.model, revision=gen.revision, engine=gen.engine),
+        generation=contracts.GenerationProvenance(
+            fingerprint=keys.generation_fingerprint(gen),
+            sampling=gen.raw["sampling"],
+            stop_tokens=gen.raw["stop_tokens"],
+            seed_policy=gen.seed_policy,
+            mode=gen.mode,
+            api_key_env=gen.api_key_env,
+        ),
+        engine=engine,
+        jobs=jobs,
+        times=contracts.RunTimes(
+            start=min(starts) if starts else None, end=max(ends) if ends else None
+        ),
+        software=_software(),
+        workflow=_git(base),
+        outputs=outputs,
+        draft_vocab=_draft_vocab(lay),
+        token_counts={
+            e.path: int(contracts.read_metadata(results / e.path)[contracts.META_LOSS_TOKENS])
             for e in outputs
-            if e["path"].startswith(f"{layout.COUNTS_DIR}/") and e["path"].endswith(".parquet")
+            if e.path.startswith(f"{layout.COUNTS_DIR}/") and e.path.endswith(".parquet")
         },
-        "generated_samples": {
-            e["path"]: sample_digests(results / e["path"])
+        generated_samples={
+            e.path: sample_digests(results / e.path)
             for e in outputs
-            if e["path"].startswith("generated/") and e["path"].endswith(".parquet")
+            if e.path.startswith("generated/") and e.path.endswith(".parquet")
         },
-    }
-    if settings.hidden_states.enabled:
-        manifest["hidden_states"] = _hidden_states(_hidden_states_manifests(results, settings))
-    return manifest
+        hidden_states=(
+            _hidden_states(_hidden_states_manifests(results, settings))
+            if settings.hidden_states.enabled
+            else None
+        ),
+    )
 
 
-def dataset_manifest(run: dict) -> dict:
+def dataset_manifest(run: contracts.Provenance) -> contracts.Provenance:
     """The dataset folder's manifest: the run's manifest with `outputs` listing the folder's
     own declared files (relative to it) and the run's outputs kept as `run_outputs`."""
     prefix = DATASET_DIR + "/"
-    own = [{**e, "path": e["path"][len(prefix) :]} for e in run["outputs"]
-           if e["path"].startswith(prefix)]  # fmt: skip
-    return {**run, "scope": "dataset", "outputs": own, "run_outputs": run["outputs"]}
+    own = [e.replace(path=e.path[len(prefix) :]) for e in run.outputs if e.path.startswith(prefix)]
+    return run.replace(scope="dataset", outputs=own, run_outputs=run.outputs)
 
 
 def _draft_vocab(lay: layout.Layout) -> dict | None:
@@ -367,63 +369,61 @@ def _draft_vocab(lay: layout.Layout) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def dumps(manifest: dict, config: Settings | dict) -> str:
-    return scrub_text(json.dumps(manifest, indent=2, sort_keys=True), config) + "\n"
+def dumps(manifest: contracts.Provenance, config: Settings | dict) -> str:
+    return scrub_text(json.dumps(manifest.to_json(), indent=2, sort_keys=True), config) + "\n"
 
 
-def check_reproducible(manifest: dict, config: Settings | dict, basedir=".") -> list[str]:
+def check_reproducible(
+    manifest: contracts.Provenance, config: Settings | dict, basedir="."
+) -> list[str]:
     """Why this checkout cannot reproduce the manifest's run (empty list: it can)."""
     base = Path(basedir)
     config = as_settings(config)
     problems = []
-    want_tok = manifest.get("tokenizer", {})
+    want_tok = manifest.tokenizer
     for key in ("path", "revision", "chat_template", "trust_remote_code"):
-        have = getattr(config.tokenizer, key)
-        if want_tok.get(key) != have:
-            problems.append(f"tokenizer.{key}: manifest {want_tok.get(key)!r}, config {have!r}")
-    problems += _diff_files(
-        "tokenizer file", want_tok.get("files", []), _tokenizer_files(config, base)
-    )
+        want, have = getattr(want_tok, key), getattr(config.tokenizer, key)
+        if want != have:
+            problems.append(f"tokenizer.{key}: manifest {want!r}, config {have!r}")
+    problems += _diff_files("tokenizer file", want_tok.files, _tokenizer_files(config, base))
     have_inputs = _inputs(config, base)
-    for cat, want in manifest.get("inputs", {}).items():
+    for cat, want in manifest.inputs.items():
         have = have_inputs.get(cat)
         if have is None:
             problems.append(f"category {cat}: in the manifest, not in the config")
             continue
         problems += _diff_files(
             f"input of {cat}",
-            [e for e in want if e["kind"] == "file"],
-            [e for e in have if e["kind"] == "file"],
+            [e for e in want if isinstance(e, contracts.InputFile)],
+            [e for e in have if isinstance(e, contracts.InputFile)],
         )
-        hub_w = [e for e in want if e["kind"] == "hub"]
-        hub_h = [e for e in have if e["kind"] == "hub"]
+        hub_w = [e.to_json() for e in want if isinstance(e, contracts.HubInput)]
+        hub_h = [e.to_json() for e in have if isinstance(e, contracts.HubInput)]
         if hub_w != hub_h:
             problems.append(f"hub sources of {cat}: manifest {hub_w}, config {hub_h}")
-    for cat in sorted(set(have_inputs) - set(manifest.get("inputs", {}))):
+    for cat in sorted(set(have_inputs) - set(manifest.inputs)):
         problems.append(f"category {cat}: in the config, not in the manifest")
-    model, gen = manifest.get("model", {}), config.generation
-    if model.get("id") != gen.model or model.get("revision") != gen.revision:
+    model, gen = manifest.model, config.generation
+    if model.id != gen.model or model.revision != gen.revision:
         problems.append(
-            f"model: manifest {model.get('id')}@{model.get('revision')}, "
-            f"config {gen.model}@{gen.revision}"
+            f"model: manifest {model.id}@{model.revision}, config {gen.model}@{gen.revision}"
         )
     return problems
 
 
-def _diff_files(what, want: list[dict], have: list[dict]) -> list[str]:
-    w = {e["path"]: e for e in want}
-    h = {e["path"]: e for e in have}
+def _diff_files(what, want: list, have: list) -> list[str]:
+    """Problems between two lists of files (FileDigest or InputFile), matched by path."""
+    w = {e.path: e for e in want}
+    h = {e.path: e for e in have}
     out = [f"{what} {p}: missing" for p in sorted(set(w) - set(h))]
     out += [f"{what} {p}: not in the manifest" for p in sorted(set(h) - set(w))]
     out += [
-        f"{what} {p}: sha256 differs"
-        for p in sorted(set(w) & set(h))
-        if w[p]["sha256"] != h[p]["sha256"]
+        f"{what} {p}: sha256 differs" for p in sorted(set(w) & set(h)) if w[p].sha256 != h[p].sha256
     ]
     return out
 
 
-def compare_outputs(manifest: dict, results_dir) -> dict:
+def compare_outputs(manifest: contracts.Provenance, results_dir) -> dict:
     """Compare a rerun's results with the manifest.
 
     prepare (prompts/) and tokenize (tokenized/) outputs must be byte-identical; generated
@@ -431,7 +431,7 @@ def compare_outputs(manifest: dict, results_dir) -> dict:
     """
     results = Path(results_dir)
     # A dataset folder's manifest keeps the run's outputs as run_outputs.
-    want = {e["path"]: e for e in manifest.get("run_outputs", manifest.get("outputs", []))}
+    want = {e.path: e for e in manifest.run_outputs or manifest.outputs}
     exact = {"identical": [], "different": [], "missing": []}
     for path, e in sorted(want.items()):
         if not path.startswith(("prompts/", "tokenized/")):
@@ -439,12 +439,12 @@ def compare_outputs(manifest: dict, results_dir) -> dict:
         p = results / path
         if not p.exists():
             exact["missing"].append(path)
-        elif sha256_file(p) == e["sha256"]:
+        elif sha256_file(p) == e.sha256:
             exact["identical"].append(path)
         else:
             exact["different"].append(path)
     samples = {"total": 0, "identical": 0, "different": 0, "missing": 0, "files": {}}
-    for path, digests in sorted(manifest.get("generated_samples", {}).items()):
+    for path, digests in sorted(manifest.generated_samples.items()):
         have = sample_digests(results / path) if (results / path).exists() else {}
         same = sum(1 for k, d in digests.items() if have.get(k) == d)
         missing = sum(1 for k in digests if k not in have)
@@ -492,7 +492,11 @@ def main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     if args.compare:
-        manifest = json.loads(Path(args.compare).read_text())
+        try:
+            manifest = contracts.Provenance.read(args.compare)
+        except contracts.RecordError as exc:
+            print(f"tokenmill provenance: --compare: {exc}", file=sys.stderr)
+            return 1
         report = compare_outputs(manifest, args.results_dir)
         contracts.write_json_atomic(args.out, report)
         s = report["generated_samples"]

@@ -17,21 +17,25 @@ from pathlib import Path
 
 import yaml
 
+from tokenmill import contracts
 from tokenmill.keys import generation_fingerprint
 from tokenmill.provenance.manifest import check_reproducible
 from tokenmill.settings import ConfigError, Settings, as_settings
 
 
-def load_manifest(path) -> dict:
-    return json.loads(Path(path).read_text())
+def load_manifest(path) -> contracts.Provenance:
+    """The provenance.json at `path` (contracts.RecordError, one line, when it is not one)."""
+    return contracts.Provenance.read(path)
 
 
-def reproduce_problems(manifest: dict, config: Settings | dict, basedir=".") -> list[str]:
+def reproduce_problems(
+    manifest: contracts.Provenance, config: Settings | dict, basedir="."
+) -> list[str]:
     config = as_settings(config)
     problems = check_reproducible(manifest, config, basedir)
-    want = manifest.get("generation", {}).get("fingerprint")
+    want = manifest.generation.fingerprint
     have = generation_fingerprint(config.generation)
-    if want and want != have:
+    if want != have:
         problems.append(
             "generation fingerprint (model, sampling, stop tokens, seed policy, launch flags): "
             f"manifest {want[:12]}, config {have[:12]}"
@@ -43,7 +47,7 @@ def reproduce_config(manifest_path, results_dir: str | None = None) -> dict:
     """The manifest's resolved config, pointed at the manifest; checked against the schema
     (ConfigError names the key of a manifest this version cannot run)."""
     manifest = load_manifest(manifest_path)
-    config = json.loads(json.dumps(manifest["config"]["resolved"]))
+    config = json.loads(json.dumps(manifest.config.resolved))
     config["reproduce"] = str(manifest_path)
     if results_dir:
         config["results_dir"] = results_dir
@@ -61,6 +65,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         config = reproduce_config(args.provenance, args.results_dir)
+    except contracts.RecordError as exc:
+        print(f"tokenmill reproduce-config: {exc}", file=sys.stderr)
+        return 1
     except ConfigError as exc:
         print(f"tokenmill reproduce-config: {args.provenance}: {exc}", file=sys.stderr)
         return 1

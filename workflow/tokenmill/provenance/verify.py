@@ -10,30 +10,29 @@ the listed size and sha256; extra files are warnings. Exit 0 when everything mat
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from tokenmill import layout
+from tokenmill import contracts, layout
 from tokenmill.contracts import sha256_file
 from tokenmill.provenance.manifest import MANIFEST_NAME
 from tokenmill.settings import ConfigError, load_section
 
 
-def verify(manifest: dict, directory) -> tuple[list[str], list[str]]:
+def verify(manifest: contracts.Provenance, directory) -> tuple[list[str], list[str]]:
     """(errors, warnings) for `directory` against the manifest's outputs."""
     d = Path(directory)
     errors, warnings = [], []
-    listed = {e["path"]: e for e in manifest.get("outputs", [])}
+    listed = {e.path: e for e in manifest.outputs}
     for path, e in sorted(listed.items()):
         p = d / path
         if not p.is_file():
             errors.append(f"missing: {path}")
-        elif p.stat().st_size != e["size"]:
-            errors.append(f"size differs: {path} (expected {e['size']}, found {p.stat().st_size})")
-        elif sha256_file(p) != e["sha256"]:
-            errors.append(f"sha256 differs: {path} (expected {e['sha256']})")
-    config = load_section(manifest.get("config", {}).get("resolved", {}), None)
+        elif p.stat().st_size != e.size:
+            errors.append(f"size differs: {path} (expected {e.size}, found {p.stat().st_size})")
+        elif sha256_file(p) != e.sha256:
+            errors.append(f"sha256 differs: {path} (expected {e.sha256})")
+    config = load_section(manifest.config.resolved, None)
     journal = _journal_inside(config)
     warnings += [f"unexpected extra file: {rel}" for rel in extra_files(d, set(listed), journal)]
     return errors, warnings
@@ -80,13 +79,17 @@ def main(argv: list[str]) -> int:
         if not prov.is_file():
             print(f"tokenmill verify: no {MANIFEST_NAME} in {args.provenance}", file=sys.stderr)
             return 1
-    manifest = json.loads(prov.read_text())
+    try:
+        manifest = contracts.Provenance.read(prov)
+    except contracts.RecordError as exc:
+        print(f"tokenmill verify: {exc}", file=sys.stderr)
+        return 1
     directory = args.dir
     if directory is None:
-        first = next(iter(manifest.get("outputs", [])), None)
+        first = next(iter(manifest.outputs), None)
         here = prov.parent
-        directory = here if first is None or (here / first["path"]).exists() else None
-        directory = directory or Path(manifest.get("results_dir", here))
+        directory = here if first is None or (here / first.path).exists() else None
+        directory = directory or Path(manifest.results_dir)
     try:
         errors, warnings = verify(manifest, directory)
     except ConfigError as exc:
@@ -96,7 +99,7 @@ def main(argv: list[str]) -> int:
         print(f"warning: {w}")
     for e in errors:
         print(e)
-    n = len(manifest.get("outputs", []))
+    n = len(manifest.outputs)
     if errors:
         print(f"FAILED: {len(errors)} of {n} files differ from {prov} in {directory}")
         return 1
