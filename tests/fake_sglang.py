@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -52,6 +53,12 @@ NOT_IN_0_5_16 = {"beam_width", "watermark"}
 
 REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
            500: "Internal Server Error", 503: "Service Unavailable"}  # fmt: skip
+
+
+def _share_of(ids) -> float:
+    """A prompt's place in [0, 1), from a hash of its ids: the same prompt, the same place."""
+    digest = hashlib.sha256(",".join(map(str, ids)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
 
 
 def fake_output(
@@ -215,6 +222,9 @@ class Fake:
             return "hang"
         if ids[0] in a.reset_first_token:  # a prompt that crashes a scheduler worker, say
             return "reset"
+        if a.reject_share and _share_of(ids) < a.reject_share:  # this prompt, every time
+            msg = f"Input length ({len(ids)} tokens) exceeds the maximum allowed length"
+            return 400, {"error": {"message": msg}}
         if ids[0] in a.reject_first_token:
             shape = ids[0] % 3
             msg = f"Input length ({len(ids)} tokens) exceeds the maximum allowed length"
@@ -427,6 +437,12 @@ def parse_args(argv):
     p.add_argument("--die-marker", help="die only once: skip dying if this file exists")
     p.add_argument("--reject-first-token", type=int, action="append", default=[],
                    help="400 for prompts whose first token is this")  # fmt: skip
+    p.add_argument(
+        "--reject-share",
+        type=float,
+        default=0.0,
+        help="400 for this share of the prompts (chosen by a hash of their ids)",
+    )
     p.add_argument("--skip-tokenizer-init", action="store_true")
     p.add_argument("--sglang-version", default="0.5.23", choices=["0.5.23", "0.5.16"])
     p.add_argument("--enable-deterministic-inference", action="store_true")

@@ -160,6 +160,7 @@ def test_provenance_is_read_as_its_typed_record(tmp_path, monkeypatch, capsys):
     assert json.loads(provenance.dumps(m, config)) == json.loads(out.read_text())
     assert m.jobs[0].slurm_job_id == "42" and m.outputs[0].sha256
     raw = json.loads(out.read_text())
+    capsys.readouterr()  # the setup's own lines
     for change, named in (
         ({"outputs": [{**raw["outputs"][0], "sha": "x"}]}, "unknown key 'sha'"),
         ({"schema": "tokenmill.provenance/0"}, "'tokenmill.provenance/0'"),

@@ -19,7 +19,7 @@ from test_merge import (
 )
 
 from tokenmill import contracts
-from tokenmill.dataset import card, draft_vocab, export, merge, stats, validate
+from tokenmill.dataset import card, draft_vocab, export, merge, stats, validate, verdict
 
 CONFIG = {
     "results_dir": "results",
@@ -144,7 +144,11 @@ def build_results(root: Path) -> Path:
         export.export_jsonl(
             r / "dataset" / cat / f"{shard}.parquet", r / "export" / cat / f"{shard}.jsonl"
         )
-    # What the sum rules and the draft_vocab rule add (the .pt left out: no torch needed).
+    # What the verdict, sum and draft_vocab rules add (the .pt left out: no torch needed).
+    for cat in ("chat", "code"):
+        out = r / "rejected" / "verdict" / f"{cat}.json"
+        assert verdict.main(["--category", cat, "--config-json", json.dumps(CONFIG),
+                             "--results-dir", str(r), "--out", str(out)]) == 0  # fmt: skip
     counts = r / "token_counts"
     for cat in ("chat", "code"):
         out = counts / f"{cat}.parquet"

@@ -4,7 +4,8 @@ The reference engine (managed) gets `max_new_tokens` larger than its context: ev
 a 400 that blames the prompt ("Requested token count exceeds the model's maximum context
 length"). Before, each became a permanent engine_rejected row and the run was green with empty
 shards. Now the generate job fails with the counts and the first messages, journals none of
-those rejections, and the corrected config gives a green run with rows.
+those rejections, the profile's retries are refused (nothing is sent twice), and the corrected
+config gives a green run with rows.
 
 With the stand-in SGLang server (tests/fake_sglang.py) as the managed engine, the local
 profile's `retries: 2` is the only retry count: an engine that fails at start runs generate
@@ -53,6 +54,9 @@ def test_all_400_config_fails_loudly_and_caches_nothing(tmp_path):
         for line in f.read_text().splitlines()
     ]
     assert "rejected" not in statuses  # nothing cached as a permanent rejection
+    # a deterministic failure: the profile's two retries are refused before an engine starts
+    assert log.count("=== tokenmill generate attempt:") == 3
+    assert log.count("an earlier attempt") == 2, log[-3000:]
 
     config["generation"]["sampling"]["max_new_tokens"] = 16
     # 16 tokens cut most of chat's answers, which merge's rejection guard stops (tested in
@@ -124,6 +128,56 @@ def test_profile_retries_are_the_only_count_and_a_fail_fast_is_paid_once(tmp_pat
     # Snakemake's own log of the job: the last attempt only.
     attempt = (logs / "attempt.log").read_text()
     assert "an earlier attempt" in attempt and "tokenmill generate attempt:" not in attempt
+
+
+def test_a_category_over_its_refusal_share_is_judged_once_and_pays_each_prompt_once(tmp_path):
+    """Issue 28: a fifth of `code`'s prompts refused by the engine (every time), limit 5 %. No
+    shard alone is proof (4 of 20 can be chance at 5 %), so both generate jobs finish; the
+    category's verdict fails the run in one line at its end. Each prompt was sent once and each
+    shard started one engine; running again sends nothing and says the same; a raised limit
+    gives a green run without a request."""
+    workdir = copy_workflow(tmp_path)
+    counter = tmp_path / "requests.jsonl"
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    config["categories"] = {"code": {**config["categories"]["code"], "shards": 2}}
+    fake = ["{python}", fake_sglang.FAKE, "--model-path", "{model}", "--host", "{host}"]
+    fake += ["--port", "{port}", "--counter-file", str(counter), "--reject-share", "0.3"]
+    gen = config["generation"]
+    gen["launch"]["command"] = fake
+    gen["reject_limit"] = {"max_fraction": 0.05, "min_count": 1}
+    (workdir / "share.yaml").write_text(yaml.safe_dump(config))
+
+    run = snakemake(workdir, "--configfile", "share.yaml")
+    assert run.returncode != 0, run.stdout[-3000:]
+    last = "\n".join((run.stdout + run.stderr).strip().splitlines()[-10:])
+    verdict = re.search(r"category 'code', stage generate: (\d+) of (\d+) rejected .* over its "
+                        r"2 shards", last)  # fmt: skip
+    assert verdict, last
+    refused, prompts = int(verdict[1]), int(verdict[2])
+    assert refused / prompts > 0.05 and "  verdict code: " in last, last
+    tokenized = sum(
+        pq.ParquetFile(f).metadata.num_rows
+        for f in (workdir / "results/tokenized/code").glob("*.parquet")
+    )
+    assert prompts == tokenized
+    assert fake_sglang.count_requests(counter) == tokenized  # every prompt once
+    for shard in ("000", "001"):
+        logs = workdir / f"results/logs/generate/code/{shard}"
+        assert (logs / "generate.log").read_text().count("=== tokenmill generate attempt:") == 1
+        assert (logs / "engine.log").read_text().count("engine start #") == 1
+        assert (workdir / f"results/dataset/code/{shard}.parquet").exists()  # kept, paid for
+    assert not (workdir / "results/rejected/verdict/code.json").exists()
+    assert not (workdir / "results/dataset/README.md").exists()  # nothing publishes it
+
+    again = snakemake(workdir, "--configfile", "share.yaml")
+    assert again.returncode != 0 and verdict[0] in again.stdout + again.stderr
+    assert fake_sglang.count_requests(counter) == tokenized
+    gen["reject_limit"] = {"max_fraction": 0.5, "min_count": 1}
+    (workdir / "share.yaml").write_text(yaml.safe_dump(config))
+    raised = snakemake(workdir, "--configfile", "share.yaml")
+    assert raised.returncode == 0, raised.stdout[-3000:] + raised.stderr[-3000:]
+    assert fake_sglang.count_requests(counter) == tokenized
+    assert (workdir / "results/rejected/verdict/code.json").exists()
 
 
 def test_restarted_controller_waits_for_its_orphaned_job_and_completes(tmp_path):

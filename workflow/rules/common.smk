@@ -61,6 +61,11 @@ if not (workflow.remote_exec or workflow.subprocess_exec):
     if _lock_hint:
         print(_lock_hint, file=sys.stderr)
 
+# A CPU job fails on its data or config (an empty source, a guard, a bad record): the same
+# inputs fail the same way, so it is run once, not paid for and printed three times. The
+# profiles' retries stay for what can heal: the GPU jobs' time limits, preemption, node loss.
+CPU_RETRIES = 0
+
 # Every path of the run comes from the layout module (tokenmill/layout.py), and every
 # aggregate's inputs from the categories and shards the config declares: nothing is globbed.
 LAYOUT = layout.Layout.of(SETTINGS)
@@ -168,6 +173,28 @@ def category_counts_files(wildcards):
     return [
         LAYOUT.shard_counts(wildcards.category, s) for s in DECLARED[wildcards.category]
     ]
+
+
+def category_verdict_inputs(wildcards):
+    """What a category's verdict reads: every declared shard's merged and generate-rejected
+    files (the tokenized shards come before them)."""
+    c = wildcards.category
+    return [
+        path
+        for s in DECLARED[c]
+        for path in (LAYOUT.dataset(c, s), LAYOUT.rejected("generate", c, s))
+    ]
+
+
+def reject_limits_json(wildcards=None):
+    """The limits a category's verdict judges by: its rerun trigger."""
+    return json.dumps(
+        {
+            "generation.reject_limit": SETTINGS.generation.raw["reject_limit"],
+            "reject_limits.merge": SETTINGS.reject_limits.raw["merge"],
+        },
+        sort_keys=True,
+    )
 
 
 def category_counts_sums():

@@ -5,6 +5,7 @@ rule token_facts:
         facts=LAYOUT.token_facts(),
     log:
         LAYOUT.log("token_facts"),
+    retries: CPU_RETRIES
     conda:
         "../envs/dataset.yaml"
     # What the facts depend on; the sections themselves come from the environment (common.smk).
@@ -34,6 +35,7 @@ rule merge_shard:
         LAYOUT.log("merge", "{category}", "{shard}"),
     benchmark:
         LAYOUT.benchmark("merge", "{category}", "{shard}")
+    retries: CPU_RETRIES
     conda:
         "../envs/dataset.yaml"
     # The generation section comes from the environment (see common.smk); its fingerprint is
@@ -59,19 +61,42 @@ rule export_jsonl:
         jsonl=LAYOUT.export("{category}", "{shard}"),
     log:
         LAYOUT.log("export", "{category}", "{shard}"),
+    retries: CPU_RETRIES
     conda:
         "../envs/dataset.yaml"
     shell:
         "tokenmill export-jsonl --dataset {input.dataset:q} --out {output.jsonl:q} > {log:q} 2>&1"
 
 
+# A category's rejection share over all its shards (generate, merge): a shard alone fails only
+# on what chance cannot explain (tokenmill/guards.py). Everything that publishes the category
+# waits for this verdict through its token sum.
+rule judge_category:
+    input:
+        category_verdict_inputs,
+    output:
+        verdict=LAYOUT.verdict("{category}"),
+    log:
+        LAYOUT.log("verdict", "{category}"),
+    retries: CPU_RETRIES
+    conda:
+        "../envs/dataset.yaml"
+    params:
+        limits=reject_limits_json,
+    shell:
+        "tokenmill verdict --category {wildcards.category:q}"
+        ' --config-json "$TOKENMILL_CONFIG_JSON" --out {output.verdict:q} > {log:q} 2>&1'
+
+
 rule sum_token_counts:
     input:
         counts=category_counts_files,
+        verdict=LAYOUT.verdict("{category}"),
     output:
         counts=LAYOUT.category_counts("{category}"),
     log:
         LAYOUT.log("token_counts", "{category}"),
+    retries: CPU_RETRIES
     conda:
         "../envs/dataset.yaml"
     shell:
@@ -86,6 +111,7 @@ rule sum_all_token_counts:
         counts=LAYOUT.all_counts(),
     log:
         LAYOUT.log("token_counts", "_all"),
+    retries: CPU_RETRIES
     conda:
         "../envs/dataset.yaml"
     shell:
@@ -104,6 +130,7 @@ rule draft_vocab:
         files=draft_vocab_files(),
     log:
         LAYOUT.log("draft_vocab"),
+    retries: CPU_RETRIES
     conda:
         "../envs/dataset.yaml"
     # The stop tokens and the model (the always-included ids, the target vocabulary) are in the
@@ -147,6 +174,7 @@ rule summarize_stats:
         ),
     log:
         LAYOUT.log("stats"),
+    retries: CPU_RETRIES
     conda:
         "../envs/dataset.yaml"
     # params.config (the config without operational settings) is the rerun trigger; the
@@ -168,6 +196,7 @@ rule write_dataset_card:
         card=LAYOUT.card(),
     log:
         LAYOUT.log("card"),
+    retries: CPU_RETRIES
     conda:
         "../envs/dataset.yaml"
     params:
@@ -187,6 +216,7 @@ rule write_provenance:
         dataset=LAYOUT.dataset_provenance(),
     log:
         LAYOUT.log("provenance"),
+    retries: CPU_RETRIES
     conda:
         "../envs/dataset.yaml"
     # Which --configfile was given is not a rerun trigger either: the resolved config is.
@@ -206,6 +236,7 @@ rule compare_with_manifest:
         report=LAYOUT.reproduce_report(),
     log:
         LAYOUT.log("reproduce"),
+    retries: CPU_RETRIES
     conda:
         "../envs/dataset.yaml"
     params:
@@ -218,6 +249,7 @@ rule compare_with_manifest:
 
 localrules:
     token_facts,
+    judge_category,
     sum_token_counts,
     sum_all_token_counts,
     draft_vocab,

@@ -8,6 +8,7 @@ rule prepare_prompts:
         LAYOUT.log("prepare", "{category}"),
     benchmark:
         LAYOUT.benchmark("prepare", "{category}")
+    retries: CPU_RETRIES
     conda:
         "../envs/prepare.yaml"
     params:

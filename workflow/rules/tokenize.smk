@@ -11,6 +11,7 @@ checkpoint tokenize_prompts:
         LAYOUT.log("tokenize", "{category}"),
     benchmark:
         LAYOUT.benchmark("tokenize", "{category}")
+    retries: CPU_RETRIES
     conda:
         "../envs/tokenize.yaml"
     threads: workflow.cores

@@ -24,6 +24,7 @@ COMMANDS = {
         "tokenizer -> the token facts merge, stats and draft-vocab read",
     ),
     "merge": ("tokenmill.dataset.merge", "tokenized + generated shard -> validated training shard"),
+    "verdict": ("tokenmill.dataset.verdict", "a category's rejection share over its shards"),
     "export-jsonl": ("tokenmill.dataset.export", "dataset shard -> JSONL of input_ids/loss_mask"),
     "hidden-states": (
         "tokenmill.hidden_states.stage",

@@ -1037,6 +1037,32 @@ class StatsSummary(Record):
     conservation: Conservation
 
 
+# ------------------------------------------------------------- a category's rejection verdict
+
+
+@dataclass(frozen=True)
+class StageVerdict(Record):
+    """One stage's share over a category's shards, and the limit it was judged by."""
+
+    judged: int
+    rejected: int
+    max_fraction: float
+    min_count: int
+
+
+@dataclass(frozen=True)
+class CategoryVerdict(Record):
+    """rejected/verdict/{category}.json (dataset/verdict.py): the category passed its per-shard
+    stages' limits on its whole share (a shard alone is judged only on what chance cannot
+    explain, guards.shard_over_limit)."""
+
+    SCHEMA: ClassVar[str] = "tokenmill.verdict/1"
+    category: str
+    shards: list[str]
+    generate: StageVerdict
+    merge: StageVerdict
+
+
 # ------------------------------------------------------------------------ the provenance
 
 

@@ -63,6 +63,7 @@ PROVENANCE = "provenance.json"
 CARD = "README.md"
 REPORT = "report.html"
 RETIRED_DIR = "retired"
+VERDICT_DIR = "verdict"  # rejected/verdict/{category}.json
 HIDDEN_STATES_MANIFEST = "manifest.json"
 # Histograms written by `tokenmill stats` (stats/length_{metric}.png) and the coverage curves.
 LENGTH_METRICS = ("prompt_tokens", "output_tokens", "reasoning_tokens", "answer_tokens",
@@ -160,6 +161,10 @@ class Layout:
 
     def category_counts(self, category: str) -> str:
         return self._r(COUNTS_DIR, f"{category}.parquet")
+
+    def verdict(self, category: str) -> str:
+        """The category's rejection verdict over its shards (contracts.CategoryVerdict)."""
+        return self._r("rejected", VERDICT_DIR, f"{category}.json")
 
     def all_counts(self) -> str:
         return self._r(COUNTS_DIR, f"{ALL_COUNTS}.parquet")
@@ -304,6 +309,7 @@ def category_files(layout: Layout, category: str, settings) -> list[str]:
         layout.prompts(category),
         layout.rejected("prepare", category),
         layout.rejected("tokenize", category),
+        layout.verdict(category),
         layout.category_counts(category),
     ]
 

@@ -110,6 +110,7 @@ def _cpu_jobs(lay: layout.Layout, settings):
         yield "tokenize", c, None, lay.log("tokenize", c), lay.tokenized_dir(c)
         for s in shards:
             yield "merge", c, s, lay.log("merge", c, s), lay.dataset(c, s)
+        yield "verdict", c, None, lay.log("verdict", c), lay.verdict(c)
         yield "token_counts", c, None, lay.log("token_counts", c), lay.category_counts(c)
     yield "token_facts", None, None, lay.log("token_facts"), lay.token_facts()
     yield "stats", None, None, lay.log("stats"), lay.stats_summary()

@@ -36,10 +36,13 @@ keep a systemic failure from hiding behind per-prompt handling:
   `fail_fast_after`, at least two), the run stops (FailFast): the server
   refuses the request's shape, and retrying every prompt would only waste hours;
 - rejection share (RejectionGuard): when rejected + errored prompts, `reject_min_count` or
-  more, pass `reject_max_fraction` of the shard's prompts at its end, or early when that is
-  already certain or statistically clear, or when a shard ends with nothing generated and two
-  or more refused, the run stops (TooManyRejections). The caller does not journal those
-  rejections, so a corrected config or server retries them.
+  more, are more than chance at `reject_max_fraction` can explain (guards.shard_over_limit),
+  early over the prompts started or at the shard's end, or when a shard ends with nothing
+  generated and two or more refused, the run stops (TooManyRejections, a deterministic failure:
+  the job harness refuses a retry with the same config, so nothing is sent twice). The caller
+  does not journal those rejections, so a corrected config or server (or deleting the failure
+  record) asks for them again; the category's share is judged once all its shards are in
+  (dataset/verdict.py).
 
 When the managed engine dies (`alive()` turns false) the run stops with EngineDied without
 spending attempts, so the caller can restart the engine.
@@ -200,44 +203,28 @@ class ClientOptions:
 
 LIMIT_KEY = "generation.reject_limit"
 
+
 # One-sided z of the early rejection check: a shard stops before its end only when even the
 # Wilson lower bound of its refusal rate at this z (p ~ 3e-7) is over the limit.
-GUARD_Z = 5.0
-
-
-def wilson_lower(k: int, n: int, z: float = GUARD_Z) -> float:
-    """Lower Wilson score bound of a binomial rate with k successes in n trials."""
-    if n <= 0:
-        return 0.0
-    p, z2 = k / n, z * z
-    centre = p + z2 / (2 * n)
-    spread = z * ((p * (1 - p) + z2 / (4 * n)) / n) ** 0.5
-    return max(0.0, (centre - spread) / (1 + z2 / n))
-
-
 def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 class RejectionGuard:
     """Counts the prompts of a shard (across engine restarts) and stops a run whose refusals
-    are systemic. `ok_before`: successes of the shard already in the journal; `total`: the
-    shard's prompts (journaled successes included), when known up front.
+    are systemic. `ok_before`: successes of the shard already in the journal.
 
-    The share is judged so that early bad luck cannot trip it: at the end of the shard (the
-    true share), or early only when the excess is certain (the refusals so far already pass
-    max_fraction of `total`) or statistically clear (even the lower confidence bound of the
-    refusal rate, GUARD_Z, over the prompts started so far passes max_fraction; prompts in
-    flight count as not refused, so answers that come back sooner than others cannot inflate
-    it). Either way at least `min_count` prompts must be refused."""
+    A shard's share is a sample of its category's, so it is judged by the rule of every
+    shard's guard (guards.shard_over_limit): it trips only on refusals that chance cannot
+    explain at the limit, early over the prompts started so far (prompts in flight count as
+    not refused, so answers that come back sooner than others cannot inflate the share) or at
+    the end over the shard. Anything else is the category's verdict, once every shard is in
+    (dataset/verdict.py)."""
 
-    def __init__(
-        self, max_fraction: float, min_count: int, ok_before: int = 0, total: int | None = None
-    ):
+    def __init__(self, max_fraction: float, min_count: int, ok_before: int = 0):
         self.max_fraction = max_fraction
         self.min_count = min_count
         self.ok_before = ok_before
-        self.total = total
         self.started = 0  # prompts taken from the queue in this job (in flight included)
         self.ok = 0
         self.refused = 0  # rejected + errored
@@ -258,42 +245,30 @@ class RejectionGuard:
         self.check(final=False)
 
     def _why(self, final: bool) -> str | None:
-        """Why the share is over the limit (None: it is not, or not clearly yet)."""
-        lim = self.max_fraction
+        """Why the shard's refusals cannot be chance at the limit (None: they can be)."""
+        lim, refused = self.max_fraction, self.refused
         if final:
-            n = self.ok + self.refused + self.ok_before  # every prompt of the shard answered
-            share = self.refused / max(n, 1)
-            # The rule every stage's guard applies (tokenmill/guards.py); the words are
-            # generate's own.
-            kept = self.ok + self.ok_before
-            if guards.over_limit(n, self.refused, kept, self, key=LIMIT_KEY, shard=True) is None:
+            n, kept = self.ok + refused + self.ok_before, self.ok + self.ok_before
+            if guards.shard_over_limit(n, refused, kept, self, key=LIMIT_KEY) is None:
                 return None
-            if self.refused >= self.min_count and share > lim:
+            if kept == 0:
                 return (
-                    f"{self.refused} of {plural(n, 'prompt')} refused by the engine ({share:.1%} "
-                    f"> generation.reject_limit.max_fraction {lim:.1%})"
+                    f"{refused} of {plural(n, 'prompt')} refused by the engine "
+                    f"({refused / max(n, 1):.1%}: nothing in the shard was generated)"
                 )
-            return (
-                f"{self.refused} of {plural(n, 'prompt')} refused by the engine "
-                f"({share:.1%}: nothing in the shard was generated)"
-            )
-        if self.refused < self.min_count:
-            return None
-        if self.total and self.refused > lim * self.total:
-            return (
-                f"{self.refused} of {plural(self.total, 'prompt')} refused by the engine "
-                f"({self.refused / self.total:.1%} of the shard already, whatever the rest "
-                f"gets: > generation.reject_limit.max_fraction {lim:.1%})"
-            )
-        n = self.started + self.ok_before
-        low = wilson_lower(self.refused, n)
-        if low > lim:
-            return (
-                f"{self.refused} of {plural(n, 'prompt')} refused by the engine "
-                f"({self.refused / n:.1%} of those started so far; even its lower confidence "
-                f"bound {low:.1%} > generation.reject_limit.max_fraction {lim:.1%})"
-            )
-        return None
+            so_far = ""
+        else:
+            n = self.started + self.ok_before
+            if refused < self.min_count or guards.chance_at_limit(refused, n, lim) >= (
+                guards.GUARD_ALPHA
+            ):
+                return None
+            so_far = " of those started so far"
+        return (
+            f"{refused} of {plural(n, 'prompt')} refused by the engine ({refused / n:.1%}"
+            f"{so_far}; a true {lim:.1%}, generation.reject_limit.max_fraction, gives that many "
+            f"with a chance below {guards.GUARD_ALPHA:.0e})"
+        )
 
     def check(self, final: bool) -> None:
         if self.max_fraction >= 1.0 or not self.refused:
@@ -303,9 +278,9 @@ class RejectionGuard:
             return
         self.tripped = TooManyRejections(
             f"{why}; {self.ok} generated in this job, {self.ok_before} from the journal: this "
-            "looks like a config or server problem, not bad prompts. The refusals are not "
-            "journaled: a corrected config or server retries them. First messages:\n  "
-            + "\n  ".join(self.first)
+            "looks like a config or server problem, not bad prompts. A retry with this config "
+            "is refused (nothing is sent twice); the refusals are not journaled: a corrected "
+            "config or server retries them. First messages:\n  " + "\n  ".join(self.first)
         )
         raise self.tripped
 
@@ -550,8 +525,6 @@ class Client:
     async def run(self, items: list[Item]) -> Stats:
         """Generate every item; raises GenerationFailed or EngineDied (journaled work stays)."""
         self.stats.total = max(self.stats.total, self.stats.done + len(items))
-        if self.guard.total is None and self.follow is None and not self.guard.started:
-            self.guard.total = self.guard.ok_before + len(items)  # a plain run: the shard
         queue: asyncio.Queue = asyncio.Queue()
         self._queue = queue
         for it in items:

@@ -333,8 +333,11 @@ async def generate(job: Job, missing: list[Item], frontier=None, follow=None) ->
     )
     writer, append = job.sj.writer(job.index)
     meta["journal"]["file"] = str(writer.path)
-    # Rejections are journaled (as final) only once the shard passed the rejection guard;
-    # engine errors never are: a later run of the shard tries those prompts again.
+    # Rejections are journaled (as final) only once the shard passed the rejection guard: a
+    # tripped shard is a deterministic failure (its retries with this config are refused before
+    # an engine starts, so nothing is sent twice), and the corrected config or server, or the
+    # user deleting its failure.json, asks for them again. Engine errors are never journaled: a
+    # later run of the shard tries those prompts again.
     held: list[dict] = []
     answered: set[str] = set()
 

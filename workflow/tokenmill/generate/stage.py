@@ -38,7 +38,7 @@ from pathlib import Path
 from tokenmill import contracts, layout
 from tokenmill.engines.launch import EngineError
 from tokenmill.generate import conversations, failure, prompts
-from tokenmill.generate.client import FailFast, GenerationFailed
+from tokenmill.generate.client import FailFast, GenerationFailed, TooManyRejections
 from tokenmill.generate.job import engine_version, job_record
 from tokenmill.jobs import harness
 from tokenmill.jobs.lock import ShardLocked
@@ -138,7 +138,7 @@ def main(argv: list[str]) -> int:
         stage="generate", category=args.category, shard=args.shard,
         layout=layout.Layout(str(Path(args.out).parent.parent.parent), args.journal_dir),
         log=str(Path(args.log_dir) / "generate.log"), gpus=held.gpus, settings=jobs,
-        identity=failure.identity(gen, args.tokenized), deterministic=(FailFast,),
+        identity=failure.identity(gen, args.tokenized), deterministic=(FailFast, TooManyRejections),
     )  # fmt: skip
     meta: dict = {
         "start_time": datetime.now(UTC).isoformat(timespec="seconds"),
