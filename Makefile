@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo check test test-deps lint bench clean
+.PHONY: demo check test test-deps lint bench bench-hidden-states clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,10 @@ lint: $(VENV)/.installed
 # Day-to-day: lint, then the unit and fake-server tests (no real SLURM, no real engines, no
 # trainers, no end-to-end Snakemake runs: see the markers in pyproject.toml).
 CHECK_MARKERS := not (e2e or slow or engines or slurm or trainers)
+# One xdist worker per core (pytest-xdist is in the test extra). Nothing from apt is needed:
+# the container tests skip without bubblewrap (they fail only under CI=true).
 check: lint
-	$(BIN)/pytest -q -m "$(CHECK_MARKERS)" --durations=25
+	$(BIN)/pytest -q -n auto -m "$(CHECK_MARKERS)" --durations=25
 
 # The whole test suite: lint, what the suites need from apt, then three pytest sessions at
 # once (tests/run_sessions.py): the single-node SLURM module, the two-node SLURM module (each on
@@ -60,11 +62,16 @@ test-deps:
 		apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
 	fi
 
+# The CPU benchmarks of the pipeline's stages (README, Benchmarks, lists each with its command).
+# The hidden-states benchmark starts vLLM when its venv exists (minutes): its own target.
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_tokenize.py
 	$(BIN)/python benchmarks/bench_client.py
 	$(BIN)/python benchmarks/bench_merge.py
 	$(BIN)/python benchmarks/bench_journal.py
+	$(BIN)/python benchmarks/bench_conversation_memory.py --template non-exact --shapes 1000x4,1000x16
+
+bench-hidden-states: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_hidden_states.py
 
 # Outputs and Snakemake's state only: the generation journal (journal/, samples already paid

@@ -9,6 +9,7 @@ the shard's attempts record with its status and cause."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from test_generate import Run, _complete
@@ -78,3 +79,28 @@ def test_a_transient_failure_is_not_recorded(tmp_path):
     r.run(expect_rc=1)
     assert _engine_starts(r) == 2
     assert not failure_path(r.journal_dir, "chat", "003").exists()
+
+
+def test_slurm_job_reads_what_the_jobstep_executor_drops_from_scontrol(tmp_path, monkeypatch):
+    """Inside a Snakemake SLURM job only SLURM_JOB_ID is left of SLURM_*: the restart count and
+    the nodelist come from `scontrol show job -o` (here a stand-in on PATH); outside SLURM
+    nothing is asked; with the variables set, they win."""
+    from tokenmill.jobs import harness
+
+    fake = tmp_path / "scontrol"
+    fake.write_text(
+        '#!/bin/sh\necho "JobId=$4 JobName=x Restarts=2 BatchFlag=1 NodeList=node[1-2] '
+        'BatchHost=node1"\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    job = harness.slurm_job({"SLURM_JOB_ID": "41"})
+    assert (job.job_id, job.restart_count, job.nodelist) == ("41", 2, "node[1-2]")
+    set_ = harness.slurm_job(
+        {"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "5", "SLURM_JOB_NODELIST": "n9"}
+    )
+    assert (set_.restart_count, set_.nodelist) == (5, "n9")
+    outside = harness.slurm_job({})
+    assert (outside.job_id, outside.restart_count, outside.nodelist) == (None, 0, None)
+    fake.unlink()  # no scontrol at all: what the environment says
+    assert harness.slurm_job({"SLURM_JOB_ID": "41"}).restart_count == 0

@@ -35,17 +35,25 @@ def apptainer(tmp_path, monkeypatch):
     return tmp_path
 
 
+def needs_bwrap() -> None:
+    """Skip without bubblewrap (the fake binds paths such as /model through it); `make test`
+    installs it (as root), and CI must not pass a test by skipping it. `make check` on a fresh
+    machine with nothing from apt stays green."""
+    if shutil.which("bwrap"):
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail("bubblewrap (bwrap) is not installed under CI=true: make test installs it")
+    pytest.skip("bubblewrap not installed (apt-get install bubblewrap)")
+
+
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["apptainer", *args], capture_output=True, text=True, timeout=30)
 
 
 @pytest.mark.parametrize("runner", ["bwrap", "direct"])
 def test_binds_are_seen_at_their_destination(apptainer, monkeypatch, runner):
-    if runner == "bwrap" and not shutil.which("bwrap"):
-        # `make test` installs it (as root); CI must not pass this test by skipping it.
-        if os.environ.get("CI") == "true":
-            pytest.fail("bubblewrap (bwrap) is not installed under CI=true: make test installs it")
-        pytest.skip("bubblewrap not installed (apt-get install bubblewrap)")
+    if runner == "bwrap":
+        needs_bwrap()
     if runner == "direct":
         monkeypatch.setenv("FAKE_APPTAINER_NO_BWRAP", "1")
     bind = f"{apptainer / 'models/tiny'}:/model:ro"
@@ -96,6 +104,7 @@ def _gen(model_arg: str, *extra: str) -> dict:
 def test_managed_engine_through_apptainer(apptainer):
     """The bind keeps the model's host path out of the container: the engine reports /model,
     so tokenmill's served-model check needs --served-model-name (or a bind to the same path)."""
+    needs_bwrap()
     e = eng.ManagedEngine(_gen("/model"), apptainer / "logs", basedir=apptainer)
     with pytest.raises(eng.EngineError, match="/model"):
         asyncio.run(e.start())
@@ -117,6 +126,7 @@ def test_generate_stage_with_the_engine_in_a_container(apptainer, runtime):
     10), the fake standing in for apptainer/singularity: --nv, the model bound read-only at
     /model, --served-model-name so the model check passes; every prompt exactly once, the
     journal written by tokenmill on the host (no bind needed), the engine gone at the end."""
+    needs_bwrap()
     from test_generate import Run, _alive, _complete
 
     (apptainer / "bin" / "singularity").symlink_to(FAKE)

@@ -205,8 +205,9 @@ def test_merge_over_its_share_of_truncated_outputs_fails_the_run(demo_workdir, t
     truncated = [s for s in shards if "truncated" in pq.read_table(s).column("reason").to_pylist()]
     assert truncated, "the demo run truncated nothing in function_calling"
     verdict = "results/rejected/verdict/function_calling.json"
-    # the limits are the verdict's rerun trigger: only it runs again
-    proc = snakemake(workdir, verdict, "--configfile", "strict.yaml")
+    # the limits are operational (not a rerun trigger): force the verdict, and only it runs
+    proc = snakemake(workdir, verdict, "--configfile", "strict.yaml", "--forcerun",
+                     "judge_category")  # fmt: skip
     assert proc.returncode != 0, failed(proc)
     said = proc.stdout + proc.stderr
     assert "localrule judge_category" in said and "rule merge_shard" not in said, said[-3000:]

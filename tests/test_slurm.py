@@ -617,6 +617,17 @@ def test_requeued_job_restarts_under_its_id_and_resumes(faults):
     # plugin drops SLURM_* variables before its srun).
     starts = [e for e in probe_events(workdir) if e["event"] == "start" and e["job"] == job]
     assert len(starts) == 2 and starts[0]["pid"] != starts[1]["pid"], starts
+    # Each run of the job says which restart it is, though the jobstep executor drops
+    # SLURM_RESTART_COUNT (issue 28): the job record's attempts and generate.log's headers.
+    record = contracts.GenerateJobRecord.read(workdir / "results/generated/code/001.meta.json")
+    runs = [a.slurm for a in record.attempts if a.slurm.job_id == job]
+    assert [r.restart_count for r in runs] == [0, 1], record.attempts
+    assert all(r.nodelist for r in runs), runs
+    history = (workdir / "results/logs/generate/code/001/generate.log").read_text()
+    assert f"SLURM job {job} (restart 0)" in history and f"SLURM job {job} (restart 1)" in history
+    # The SLURM log of the job id keeps both runs (--open-mode=append), not only the last.
+    slurm_log = (workdir / f"slurm_logs/rule_generate_shard/code_001/{job}.log").read_text()
+    assert slurm_log.count("rule generate_shard") >= 2, slurm_log[-3000:]
     engine_log = (workdir / "results/logs/generate/code/001/engine.log").read_text()
     # scancel'd attempt, the rerun's first run and its restart: three engines, three stops.
     assert engine_log.count("tokenmill: engine start") == 3, engine_log[-3000:]

@@ -459,6 +459,7 @@ def test_token_keys_rerun_generation_only(finished_run, tmp_path, key, value):
     downstream = {"summarize_stats", "write_dataset_card", "write_provenance", "all"}
     # the loss-token sums and the draft vocabulary follow the merged shards
     downstream |= {"sum_token_counts", "sum_all_token_counts", "draft_vocab"}
+    downstream |= {"judge_category"}  # each category's rejection share over its shards
     assert set(per_rule) == downstream | upstream, planned
 
 

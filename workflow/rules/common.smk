@@ -186,17 +186,6 @@ def category_verdict_inputs(wildcards):
     ]
 
 
-def reject_limits_json(wildcards=None):
-    """The limits a category's verdict judges by: its rerun trigger."""
-    return json.dumps(
-        {
-            "generation.reject_limit": SETTINGS.generation.raw["reject_limit"],
-            "reject_limits.merge": SETTINGS.reject_limits.raw["merge"],
-        },
-        sort_keys=True,
-    )
-
-
 def category_counts_sums():
     return [LAYOUT.category_counts(c) for c in CATEGORIES]
 

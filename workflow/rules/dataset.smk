@@ -81,8 +81,8 @@ rule judge_category:
     retries: CPU_RETRIES
     conda:
         "../envs/dataset.yaml"
-    params:
-        limits=reject_limits_json,
+    # The limits are operational, as for every guard (not a rerun trigger): a failed verdict
+    # leaves no output, so the next run judges again with the limits it is given.
     shell:
         "tokenmill verdict --category {wildcards.category:q}"
         ' --config-json "$TOKENMILL_CONFIG_JSON" --out {output.verdict:q} > {log:q} 2>&1'

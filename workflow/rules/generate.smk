@@ -42,9 +42,12 @@ rule generate_shard:
         generation_fingerprint=GENERATION_FINGERPRINT,
         log_dir=generate_log_dir,
     shell:
+        # SLURM's restart count from scontrol: the jobstep executor drops SLURM_RESTART_COUNT.
+        "restart=$(scontrol show job -o ${{SLURM_JOB_ID:-none}} 2>/dev/null"
+        " | grep -o 'Restarts=[0-9]*' | cut -d= -f2 || true); "
         'mkdir -p {params.log_dir:q}; echo "=== tokenmill generate attempt: $(date -u'
         " +%Y-%m-%dT%H:%M:%SZ) host $(hostname) SLURM job ${{SLURM_JOB_ID:-none}} (restart"
-        " ${{SLURM_RESTART_COUNT:-0}}) runtime {resources.runtime} min mem {resources.mem_mb}"
+        " ${{restart:-0}}) runtime {resources.runtime} min mem {resources.mem_mb}"
         ' MB ===" >> {params.log_dir:q}/generate.log; '
         "tokenmill generate --category {wildcards.category:q} --shard {wildcards.shard}"
         ' --config-json "$TOKENMILL_CONFIG_JSON" --tokenized {input.tokenized:q}'

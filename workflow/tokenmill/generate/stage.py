@@ -144,7 +144,7 @@ def main(argv: list[str]) -> int:
         "start_time": datetime.now(UTC).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "slurm": contracts.SlurmJob.from_environ(os.environ).to_json(),
+        "slurm": harness.slurm_job().to_json(),
     }
     try:
         # One process per shard: a second job on it (a restarted controller) waits for the

@@ -174,7 +174,7 @@ def main(argv: list[str]) -> int:
             contracts.HiddenStatesJobRecord(
                 category=a.category, shard=a.shard, backend=hs.backend, start_time=start_time,
                 end_time=harness.now_iso(), host=socket.gethostname(), pid=os.getpid(),
-                slurm=contracts.SlurmJob.from_environ(os.environ), rows=manifest.rows,
+                slurm=harness.slurm_job(), rows=manifest.rows,
                 rows_computed=work.rows, tokens_computed=work.tokens, compute_s=work.seconds,
                 total_s=round(time.monotonic() - t0, 3), held=held,
                 attempts=gpu_job.succeeded(),

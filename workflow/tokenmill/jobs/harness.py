@@ -33,8 +33,10 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -76,6 +78,30 @@ class JobSpec:
     settings: object  # settings.JobsSettings: lock wait and poll, heartbeat
     identity: dict | None = None  # what a deterministic failure holds for (None: never recorded)
     deterministic: tuple[type[BaseException], ...] = ()
+
+
+def slurm_job(env=None) -> SlurmJob:
+    """The SLURM job this process runs in. Snakemake's jobstep executor drops every SLURM_*
+    variable but the job id before it runs the job (snakemake-executor-plugin-slurm-jobstep,
+    `keep_slurm`), so a requeued job read SLURM_RESTART_COUNT as absent (restart 0) and its
+    nodelist as null: those come from `scontrol show job -o` when the environment lacks them."""
+    env = os.environ if env is None else env
+    job = SlurmJob.from_environ(env)
+    if job.job_id is None or ("SLURM_RESTART_COUNT" in env and job.nodelist is not None):
+        return job
+    try:
+        line = subprocess.run(
+            ["scontrol", "show", "job", "-o", job.job_id],
+            capture_output=True, text=True, timeout=10,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return job
+    restarts = re.search(r"\bRestarts=(\d+)", line)
+    nodes = re.search(r"\bNodeList=(\S+)", line)
+    return job.replace(
+        restart_count=int(restarts[1]) if restarts else job.restart_count,
+        nodelist=job.nodelist or (nodes[1] if nodes and nodes[1] != "(null)" else None),
+    )
 
 
 def now_iso() -> str:
@@ -189,7 +215,7 @@ class GpuJob:
         self.attempt = Attempt(
             stage=st, category=spec.category, shard=spec.shard,
             id=f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}",
-            host=socket.gethostname(), pid=os.getpid(), slurm=SlurmJob.from_environ(env),
+            host=socket.gethostname(), pid=os.getpid(), slurm=slurm_job(env),
             started=datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds"),
             ended=None, status="running", cause=None, deterministic=False, gpus=spec.gpus,
             wall_s=0.0, log=spec.log,
