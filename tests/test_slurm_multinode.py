@@ -323,7 +323,11 @@ def test_preempt_requeue(cluster2, tmp_path):
     # Batch script and step: SIGCONT+SIGTERM at preemption (SIGKILL after KillWait=5 s).
     for who in ("batch", "step"):
         assert events(r, who)[0] == "start" and "TERM" in events(r, who), r
-        assert "end" not in events(r, who), r
+    # The step (the rule's work) never ends on its own. The batch script's wait loop ends when
+    # its srun does: on a loaded machine the step's SIGKILL can come first and the script logs
+    # `end` before its own SIGKILL (seen once in a CI-like run with both SLURM sessions and the
+    # main session at once). Either way the job is requeued below, which is what counts.
+    assert "end" not in events(r, "step"), r
     # Requeued: pending again, eligible only 120 s later; one restart counted.
     assert r["scontrol"]["JobState"] == "PENDING" and r["scontrol"]["Reason"] == "BeginTime", r
     assert r["scontrol"]["Restarts"] == "1", r
