@@ -581,7 +581,10 @@ def test_rejection_share_clearly_over_the_limit_fails_fast(server):
         before = fake_sglang.count_requests(counter)
         with pytest.raises(TooManyRejections, match=r"prompts refused by the engine \(\d+\.\d%"):
             _run([url], opts, _refusing(500, 100, seed))
-        assert fake_sglang.count_requests(counter) - before < 250, (seed, conc)
+        # prompts in flight count as not refused: the wider the window, the later the bound
+        # is clear (measured: about 310 sent at 64 in flight)
+        sent = fake_sglang.count_requests(counter) - before
+        assert sent < (250 if conc <= 16 else 400), (seed, conc, sent)
 
 
 def test_chance_at_limit_bounds_the_exact_binomial_tail():
