@@ -73,6 +73,11 @@ def add_limits_argument(parser) -> None:
     )
 
 
+def limit_key(stage: str) -> str:
+    """The config key of a stage's limit, as the guard's line names it."""
+    return "generation.reject_limit" if stage == "generate" else f"reject_limits.{stage}"
+
+
 def limit_for(stage: str, value) -> RejectLimitSettings:
     """`reject_limits.<stage>` of `value` (--reject-limits: inline JSON, a file, the section or
     the whole config). ConfigError names the key."""

@@ -822,7 +822,7 @@ def main(argv: list[str]) -> int:
         res.kept,
         args.rejected,
         limit,
-        key="reject_limits.merge",
+        key=guards.limit_key("merge"),
         shard=args.shard,
     )
     if status:

@@ -864,7 +864,7 @@ def kept_nothing(summary: dict, limit) -> list[str]:
                 "nothing kept"
             )
             lines.append(
-                guards.message("merge", cat, why, reasons, "reject_limits.merge",
+                guards.message("merge", cat, why, reasons, guards.limit_key("merge"),
                                outcome="no statistics were written")
             )  # fmt: skip
     return lines

@@ -28,9 +28,6 @@ import pyarrow.parquet as pq
 from tokenmill import contracts, guards, layout
 from tokenmill.settings import ConfigError, RejectLimitSettings, Settings, load_section
 
-GENERATE_KEY = "generation.reject_limit"
-MERGE_KEY = "reject_limits.merge"
-
 
 def _rows(path: str) -> int:
     return pq.ParquetFile(path).metadata.num_rows
@@ -44,21 +41,20 @@ def judge(settings: Settings, category: str, results_dir=None) -> contracts.Cate
     tokenized = sum(_rows(lay.tokenized(category, s)) for s in shards)
     gen_rejected_files = [lay.rejected("generate", category, s) for s in shards]
     gen_rejected = sum(_rows(f) for f in gen_rejected_files)
-    merged_in = merged_kept = merged_rejected = 0
-    for s in shards:
-        meta = contracts.read_metadata(lay.dataset(category, s))
-        n_in, kept, rejected = (int(meta[k]) for k in contracts.MERGE_COUNT_KEYS)
-        merged_in, merged_kept, merged_rejected = (
-            merged_in + n_in, merged_kept + kept, merged_rejected + rejected,
-        )  # fmt: skip
+    # merge's in / kept / rejected, summed over the shards' count metadata
+    metas = [contracts.read_metadata(lay.dataset(category, s)) for s in shards]
+    merged_in, merged_kept, merged_rejected = (
+        sum(int(m[k]) for m in metas) for k in contracts.MERGE_COUNT_KEYS
+    )
     stages = (
-        ("generate", GENERATE_KEY, settings.generation.reject_limit, tokenized, gen_rejected,
+        ("generate", settings.generation.reject_limit, tokenized, gen_rejected,
          tokenized - gen_rejected, gen_rejected_files),
-        ("merge", MERGE_KEY, settings.reject_limits.merge, merged_in, merged_rejected,
-         merged_kept, [lay.rejected("merge", category, s) for s in shards]),
+        ("merge", settings.reject_limits.merge, merged_in, merged_rejected, merged_kept,
+         [lay.rejected("merge", category, s) for s in shards]),
     )  # fmt: skip
     verdicts = {}
-    for stage, key, limit, judged, rejected, kept, files in stages:
+    for stage, limit, judged, rejected, kept, files in stages:
+        key = guards.limit_key(stage)
         why = guards.over_limit(judged, rejected, kept, limit, key=key)
         if why is not None:
             rows = [r for f in files for r in guards.rejected_rows(f)]

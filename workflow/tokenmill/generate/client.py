@@ -201,7 +201,7 @@ class ClientOptions:
         return dataclasses.replace(cls.from_config(gen, stop_token_ids, None), **overrides)
 
 
-LIMIT_KEY = "generation.reject_limit"
+LIMIT_KEY = guards.limit_key("generate")
 
 
 # One-sided z of the early rejection check: a shard stops before its end only when even the
