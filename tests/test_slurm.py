@@ -557,17 +557,19 @@ def test_time_limit_then_retry_resumes_from_the_journal(faults):
     rc, out = faults["runs"]["limit"]
     assert rc == 0, tail(out)
     jobs = slurm_jobs_of(workdir, "generate_shard", "code_000")
-    assert len(jobs) == 2, jobs
+    # A loaded machine may also run the 2-minute retry into its limit (CI saw 3 attempts):
+    # every attempt but the last ends at its limit, the last completes, each one resumes.
+    assert len(jobs) >= 2, jobs
     states = sacct(jobs)
-    assert states[jobs[0]][-1]["state"] == "TIMEOUT", states
-    assert states[jobs[1]][-1]["state"] == "COMPLETED", states
+    assert [states[j][-1]["state"] for j in jobs[:-1]] == ["TIMEOUT"] * (len(jobs) - 1), states
+    assert states[jobs[-1]][-1]["state"] == "COMPLETED", states
     slurm_log = workdir / f"slurm_logs/rule_generate_shard/code_000/{jobs[0]}.log"
     assert "DUE TO TIME LIMIT" in slurm_log.read_text()
     assert f"SLURM-job '{jobs[0]}' failed, SLURM status is: 'TIMEOUT'" in out
-    # The killed attempt stopped its engine (generate's finally) after SLURM's SIGTERM.
+    # Every killed attempt stopped its engine (generate's finally) after SLURM's SIGTERM.
     engine_log = (workdir / "results/logs/generate/code/000/engine.log").read_text()
-    assert engine_log.count("tokenmill: engine start") == 2, engine_log[-3000:]
-    assert engine_log.count("tokenmill: engine stopped") == 2, engine_log[-3000:]
+    assert engine_log.count("tokenmill: engine start") == len(jobs), engine_log[-3000:]
+    assert engine_log.count("tokenmill: engine stopped") == len(jobs), engine_log[-3000:]
 
     n = _shard_size(workdir, "000")
     kept = assert_exactly_once(workdir, "code", "000")
@@ -576,9 +578,10 @@ def test_time_limit_then_retry_resumes_from_the_journal(faults):
     assert 0 < counts["from_journal"] < n, counts  # the retry resumed, it did not start over
     assert counts["from_journal"] + counts["requested"] == n == len(kept), counts
     per_job = requests_by_job(probe_events(workdir))
-    assert per_job[jobs[1]] == counts["requested"], per_job
-    # What the engine received: every prompt once, plus at most what was in flight at the kill.
-    assert n <= per_job[jobs[0]] + per_job[jobs[1]] <= n + FAULT_CONCURRENCY, (per_job, n)
+    assert per_job[jobs[-1]] == counts["requested"], per_job
+    # What the engine received: every prompt once, plus at most what was in flight at each kill.
+    sent = sum(per_job.get(j, 0) for j in jobs)
+    assert n <= sent <= n + FAULT_CONCURRENCY * (len(jobs) - 1), (per_job, n)
     assert journal_records(workdir, "code", "000") == n  # nothing journaled twice
 
 
