@@ -599,6 +599,7 @@ def test_stats_draft_row_is_the_written_mappings_coverage(tmp_path):
     """summary.json / summary.md: the draft row is vocab_mapping.json's number (a forced id
     makes it lower than the top-N share), not a second computation."""
     from tokenmill.dataset import stats
+    from tokenmill.dataset import summary_doc as doc
 
     results = tmp_path / "results"
     counts = np.array([0, 1, 50, 40, 30, 20], np.int64)
@@ -617,7 +618,7 @@ def test_stats_draft_row_is_the_written_mappings_coverage(tmp_path):
     for scope in (cats["chat"], overall):
         (row,) = [r for r in scope["token_coverage"]["top_n"] if r.get("draft")]
         assert row["share"] == round(s["draft_coverage"], 6) and row["mapping"]
-    md = "\n".join(stats.coverage_markdown({"categories": cats, "overall": overall}))
+    md = doc.markdown(stats.coverage_blocks({"categories": cats, "overall": overall}))
     assert "draft vocabulary (3 ids)" in md and f"{s['draft_coverage']:.2%}" in md
     assert f"{120 / 141:.2%}" not in md  # the top-3 share is not shown as the draft's
     # A mapping of another size (a stale file) is not taken for this one.

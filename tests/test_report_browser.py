@@ -1,20 +1,26 @@
-"""The report shows its numbers in a real browser: `results/report.html` (Snakemake's report,
-made as `make demo` makes it) opened in headless Chromium shows, on its landing page, the
-statistics tables of `results/stats/summary.md`: records in, kept and rejected per stage with
-the rejection reasons, per category and overall, and the token-coverage table.
+"""The report can be read in a real browser: `results/report.html` (Snakemake's report, made
+as `make demo` makes it) opened in headless Chromium at 1400x900 shows, on its landing page,
+the statistics of `results/stats/summary.md` as tables: records in, kept and rejected per
+stage with the rejection reasons, per category and overall, first, then lengths, reasoning,
+generation, conversations and token coverage.
 
-Chromium runs the report's JavaScript (React renders the page) and `--dump-dom` prints the DOM
-it built; the numbers must be in it as text, not behind a `data:` URL. `make test` installs
-Chromium (`make test-deps`, as root); without it the test skips, except under CI=true where it
-fails.
+What is checked is what the browser laid out, not DOM text: a script appended to a copy of the
+report (tests/report_measure.js) waits for React to render the page and prints the element
+boxes it measures. The page's top is on screen, the first table (records per stage) is whole
+on the first screen, no table or paragraph is cut at the right or scrolled sideways, and every
+row of summary.md is a row of cells on the page. `make test` installs Chromium (`make
+test-deps`, as root); without it the test skips, except under CI=true where it fails.
 """
 
 from __future__ import annotations
 
+import html
+import json
 import os
+import re
 import shutil
 import subprocess
-from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 from helpers import copy_run, failed, snakemake
@@ -35,52 +41,27 @@ def browser() -> str:
     pytest.skip("chromium not installed (apt-get install chromium)")
 
 
-class AppText(HTMLParser):
-    """The text inside the element with id="app", scripts and styles left out."""
-
-    def __init__(self):
-        super().__init__(convert_charrefs=True)
-        self.depth = 0  # elements open inside #app (0: outside)
-        self.skip = 0
-        self.parts: list[str] = []
-
-    @classmethod
-    def of(cls, dom: str) -> str:
-        parser = cls()
-        parser.feed(dom)
-        return "".join(parser.parts)
-
-    def handle_starttag(self, tag, attrs):
-        if self.depth or dict(attrs).get("id") == "app":
-            self.depth += tag not in VOID
-            self.skip += tag in ("script", "style")
-
-    def handle_endtag(self, tag):
-        if self.depth and tag not in VOID:
-            self.depth -= 1
-            self.skip -= tag in ("script", "style")
-
-    def handle_data(self, data):
-        if self.depth and not self.skip:
-            self.parts.append(data)
+MEASURE_JS = Path(__file__).with_name("report_measure.js")
+VIEWPORT = (1400, 900)
 
 
-VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source"}
-
-
-def table_rows(markdown: str, heading: str) -> list[str]:
-    """The body rows of the table under the `## heading...` section of summary.md."""
+def table_rows(markdown: str, heading: str) -> list[list[str]]:
+    """The body rows of the table under `## heading...` in summary.md, as the cells a browser
+    shows (Markdown's ** and backticks are markup, not text)."""
     section = markdown.split(f"\n## {heading}", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("|")]
-    return rows[2:]  # past the header and the |---| line
+    rows = [line for line in section.splitlines() if line.startswith("|")][2:]
+    return [
+        [cell.strip().replace("**", "").replace("`", "") for cell in row.strip("|").split("|")]
+        for row in rows
+    ]
 
 
-def test_report_shows_the_statistics_in_chromium(demo_workdir, tmp_path):
-    chromium = browser()
-    run = copy_run(demo_workdir, tmp_path / "demo")
-    made = snakemake(run, "--report", "results/report.html")
-    assert made.returncode == 0, failed(made)
-
+def measure(chromium: str, report: Path, tmp_path: Path) -> dict:
+    """Open a copy of the report with the measuring script appended; return what it printed."""
+    page = report.read_text()
+    end = page.rindex("</body>")
+    measured = tmp_path / "measured.html"
+    measured.write_text(page[:end] + f"<script>{MEASURE_JS.read_text()}</script>" + page[end:])
     # A fresh profile folder and no sandbox (tests run as root in containers); the virtual
     # time budget lets the page's scripts run before the DOM is printed.
     proc = subprocess.run(
@@ -91,26 +72,45 @@ def test_report_shows_the_statistics_in_chromium(demo_workdir, tmp_path):
             "--disable-gpu",
             "--disable-dev-shm-usage",
             f"--user-data-dir={tmp_path / 'chromium-profile'}",
+            f"--window-size={VIEWPORT[0]},{VIEWPORT[1]}",
             "--virtual-time-budget=20000",
             "--dump-dom",
-            (run / "results" / "report.html").as_uri(),
+            measured.as_uri(),
         ],
         capture_output=True,
         text=True,
         timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    # What the page shows: the text React rendered into <div id="app">, not the report's data
-    # scripts (which hold the same numbers as JavaScript strings).
-    text = AppText.of(proc.stdout)
-    assert "Dataset statistics" in text, text[:2000]  # the menu rendered
+    found = re.search(r'<pre id="tokenmill-measure">(.*?)</pre>', proc.stdout, re.S)
+    assert found, "the landing page never showed #tokenmill-stats:\n" + proc.stdout[-2000:]
+    return json.loads(html.unescape(found.group(1)))
 
+
+def test_report_shows_the_statistics_as_tables_on_screen(demo_workdir, tmp_path):
+    chromium = browser()
+    run = copy_run(demo_workdir, tmp_path / "demo")
+    made = snakemake(run, "--report", "results/report.html")
+    assert made.returncode == 0, failed(made)
+    m = measure(chromium, run / "results" / "report.html", tmp_path)
+    width, height = m["viewport"]["width"], m["viewport"]["height"]
+    assert width == VIEWPORT[0] and 0 < height <= VIEWPORT[1], m["viewport"]
+
+    # The page's top is on screen at scroll position 0 (not centred out of reach).
+    assert 0 <= m["page_top"]["top"] < height, m["page_top"]
+    tables = {t["heading"]: t for t in m["tables"]}
+    first = m["tables"][0]
+    assert first["heading"] == "Records per stage", list(tables)
+    # The first table, whole, on the first screen.
+    assert first["box"]["top"] >= 0 and first["box"]["bottom"] <= height, first["box"]
+    # Nothing is cut at the right or scrolled sideways.
+    for t in m["tables"]:
+        assert not t["clipped_by"], (t["heading"], t["clipped_by"])
+        assert t["box"]["right"] <= width, (t["heading"], t["box"])
+    assert all(p["right"] <= width for p in m["texts"]), m["texts"]
+
+    # Every row of summary.md's tables is a row of cells on the page.
     summary = (run / "results" / "stats" / "summary.md").read_text()
-    stages = table_rows(summary, "Records per stage")
-    coverage = table_rows(summary, "Token coverage")
-    assert stages and coverage
-    # Every row of the per-category counts (in, kept, rejected, reasons) and of the coverage
-    # table is in the page as the browser rendered it.
-    missing = [row for row in stages + coverage if row not in text]
-    assert not missing, missing[:5]
-    assert "truncated:" in text  # the demo's merge rejects truncated outputs
+    for heading in ("Records per stage", "Generation", "Token coverage (loss-masked tokens)"):
+        assert tables[heading]["rows"] == table_rows(summary, heading), heading
+    assert any("truncated:" in row[-1] for row in first["rows"])  # the demo's merge rejects

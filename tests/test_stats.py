@@ -556,3 +556,46 @@ def test_card_rounds_its_statistics_and_describes_prompt_id_as_the_readme(tmp_pa
     card_row = next(line for line in text.splitlines() if line.startswith("| `prompt_id` |"))
     readme_row = next(line for line in readme.splitlines() if line.startswith("| `prompt_id` |"))
     assert card_row.split("|")[3].strip() == readme_row.split("|")[3].strip()
+
+
+def test_summary_html_has_every_markdown_table_row_as_escaped_cells(tmp_path):
+    """summary.html (the report's landing page) and summary.md are one document: the same
+    tables, row for row, with the text escaped (a think token is text, not a tag)."""
+    from html.parser import HTMLParser
+
+    r = build_results(tmp_path)
+    out = tmp_path / "stats"
+    argv = ["--results-dir", str(r), "--config-json", json.dumps(CONFIG), "--out-dir", str(out)]
+    assert stats.main(argv) == 0
+
+    class Cells(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.rows, self.cell, self.tags = [], None, []
+
+        def handle_starttag(self, tag, attrs):
+            self.tags.append(tag)
+            if tag == "tr":
+                self.rows.append([])
+            elif tag in ("td", "th"):
+                self.cell = ""
+
+        def handle_endtag(self, tag):
+            if tag in ("td", "th"):
+                self.rows[-1].append(self.cell)
+                self.cell = None
+
+        def handle_data(self, data):
+            if self.cell is not None:
+                self.cell += data
+
+    page = Cells()
+    page.feed((out / "summary.html").read_text())
+    md_rows = [
+        [c.strip().replace("**", "").replace("`", "") for c in line.strip("|").split("|")]
+        for line in (out / "summary.md").read_text().splitlines()
+        if line.startswith("|") and not line.startswith("|---")
+    ]
+    assert page.rows == md_rows
+    assert any("</think>" in cell for row in page.rows for cell in row)  # shown, not parsed
+    assert "think" not in page.tags and "strong" in page.tags  # **all** is bold

@@ -162,6 +162,12 @@ rule summarize_stats:
             caption="../report/summary_table.rst",
             category="Dataset statistics",
         ),
+        # the landing page's tables (workflow/report/workflow.rst)
+        html=report(
+            LAYOUT.stats_html(),
+            caption="../report/summary_table.rst",
+            category="Dataset statistics",
+        ),
         plots=report(
             [LAYOUT.length_plot(m) for m in layout.LENGTH_METRICS],
             caption="../report/plots.rst",

@@ -205,6 +205,10 @@ class Layout:
     def stats_table(self) -> str:
         return os.path.join(self.stats_dir(), "summary.md")
 
+    def stats_html(self) -> str:
+        """summary.md's tables as an HTML fragment: the report's landing page."""
+        return os.path.join(self.stats_dir(), "summary.html")
+
     def length_plot(self, metric: str) -> str:
         return os.path.join(self.stats_dir(), f"length_{metric}.png")
 
@@ -326,9 +330,12 @@ def vocab_files(layout: Layout, settings) -> list[str]:
 
 def stats_files(layout: Layout) -> list[str]:
     """What `tokenmill stats` writes."""
-    return [layout.stats_summary(), layout.stats_table(), layout.coverage_plot()] + [
-        layout.length_plot(m) for m in LENGTH_METRICS
-    ]
+    return [
+        layout.stats_summary(),
+        layout.stats_table(),
+        layout.stats_html(),
+        layout.coverage_plot(),
+    ] + [layout.length_plot(m) for m in LENGTH_METRICS]
 
 
 def published_files(layout: Layout, settings, tokenized_dirs: bool = False) -> list[str]:

@@ -78,6 +78,7 @@ import pyarrow.parquet as pq
 
 from tokenmill import contracts, guards, layout
 from tokenmill.dataset import draft_vocab, validate
+from tokenmill.dataset import summary_doc as doc
 from tokenmill.settings import (
     ConfigError,
     DatasetSettings,
@@ -624,8 +625,8 @@ def _token_coverage(lay: layout.Layout, cats: dict, overall: dict, draft_size) -
         scope["token_coverage"] = draft_vocab.coverage_view(counts, draft_size, shares.get(name))
 
 
-def coverage_markdown(summary: dict) -> list[str]:
-    """The token-coverage table (empty without counts)."""
+def coverage_blocks(summary: dict) -> list[doc.Block]:
+    """The token-coverage table (nothing without counts)."""
     scopes = list(summary["categories"].items()) + [("**all**", summary["overall"])]
     scopes = [(c, s["token_coverage"]) for c, s in scopes if "token_coverage" in s]
     if not scopes:
@@ -639,35 +640,29 @@ def coverage_markdown(summary: dict) -> list[str]:
         label = f"top {row['n']:,}" + (" (draft)" if row.get("draft") else "")
         head.append(label + (f" (all {row['ids']:,})" if row["capped"] else ""))
     shares = list(ref["ids_for_share"])
-    out = ["", "## Token coverage (loss-masked tokens)", ""]
-    out += [
+    text = (
         "Share of the tokens the drafter is trained on (loss_mask = 1) that fall on the N most "
         "frequent token ids, i.e. what a draft vocabulary of N ids covers, and the fewest ids "
         f"that cover a share. The vocabulary has {ref['vocab_size']:,} ids; an N above it "
         "takes them all."
-        + (
+    )
+    if any(r.get("mapping") for r in ref["top_n"]):
+        text += (
             " The draft vocabulary column is the share the written mapping covers "
             "(`dataset/vocab_mapping/vocab_mapping.json`)."
-            if any(r.get("mapping") for r in ref["top_n"])
-            else ""
-        ),
-        "",
-        "| category | loss tokens | distinct ids | "
-        + " | ".join(head)
-        + " | "
-        + " | ".join(f"ids for {float(x):.1%}" for x in shares)
-        + " |",
-        "|---|---:|---:|" + "---:|" * (len(head) + len(shares)),
-    ]
+        )
+    rows = []
     for cat, cov in scopes:
         cells = [f"{r['share']:.2%}" for r in cov["top_n"]]
         cells += [_fmt(cov["ids_for_share"][x]) for x in shares]
-        out.append(
-            f"| {cat} | {_fmt(cov['loss_tokens'])} | {_fmt(cov['distinct_ids'])} | "
-            + " | ".join(cells)
-            + " |"
-        )
-    return out
+        rows.append([cat, _fmt(cov["loss_tokens"]), _fmt(cov["distinct_ids"]), *cells])
+    table = doc.Table(
+        ["category", "loss tokens", "distinct ids", *head]
+        + [f"ids for {float(x):.1%}" for x in shares],
+        [doc.LEFT] + [doc.RIGHT] * (2 + len(head) + len(shares)),
+        rows,
+    )
+    return [doc.Heading("Token coverage (loss-masked tokens)"), doc.Text(text), table]
 
 
 def coverage_plot(lay: layout.Layout, summary: dict, out_dir: Path) -> Path:
@@ -723,101 +718,100 @@ def coverage_plot(lay: layout.Layout, summary: dict, out_dir: Path) -> Path:
     return path
 
 
-def markdown(summary: dict) -> str:
+def summary_blocks(summary: dict) -> list[doc.Block]:
+    """summary.md and summary.html, as one document."""
     scopes = list(summary["categories"].items()) + [("**all**", summary["overall"])]
-    out = ["# tokenmill dataset statistics", "", "## Records per stage", ""]
-    out += ["| category | stage | in | kept | rejected | reasons |", "|---|---|---:|---:|---:|---|"]
-    for cat, s in scopes:
-        for name, st in s["stages"].items():
-            reasons = ", ".join(f"{k}: {v}" for k, v in st["reasons"].items())
-            out.append(
-                f"| {cat} | {name} | {_fmt(st['in'])} | {_fmt(st['kept'])} | "
-                f"{_fmt(st['rejected'])} | {reasons} |"
-            )
-    out += ["", "## Token lengths (dataset rows)", ""]
-    out += [
-        "| category | metric | count | mean | p50 | p90 | p99 | max |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+    L, R = doc.LEFT, doc.RIGHT
+    stages = [
+        [cat, name, _fmt(st["in"]), _fmt(st["kept"]), _fmt(st["rejected"]),
+         ", ".join(f"{k}: {v}" for k, v in st["reasons"].items())]
+        for cat, s in scopes
+        for name, st in s["stages"].items()
+    ]  # fmt: skip
+    lengths = [
+        [cat, m, *(_fmt(d[k]) for k in ("count", "mean", "p50", "p90", "p99", "max"))]
+        for cat, s in scopes
+        for m, d in s["lengths"].items()
     ]
-    for cat, s in scopes:
-        for m, d in s["lengths"].items():
-            out.append(
-                f"| {cat} | {m} | "
-                + " | ".join(_fmt(d[k]) for k in ("count", "mean", "p50", "p90", "p99", "max"))
-                + " |"
-            )
-    out += ["", "## Reasoning (dataset rows)", ""]
-    out += [
-        "| category | think-end token | closed reasoning | unterminated reasoning | no reasoning |",
-        "|---|---|---:|---:|---:|",
-    ]
-    for cat, s in scopes:
-        r = s["reasoning"]
-        out.append(
-            f"| {cat} | {r['think_end_token'] or 'not set'} | {_known(r['with_think_end'])} | "
-            f"{_known(r['unterminated'])} | {_known(r['without_reasoning'])} |"
-        )
-    out += ["", "## Generation", ""]
-    out += [
-        "| category | finish types | prefix-cache hit rate | attempts (not ok) | wall time (s) | "
-        "generation time (s) | output tokens | tokens/s | GPU-hours | tokens/GPU-hour |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for cat, s in scopes:
-        g, c = s["generation"], s["prefix_cache"]
-        finish = ", ".join(f"{k}: {v}" for k, v in s["finish_types"].items())
-        out.append(
-            f"| {cat} | {finish} | {_known(c['hit_rate'])} | "
-            f"{_fmt(g['attempts'])} ({_fmt(g['failed_attempts'])}) | {_fmt(g['wall_time_s'])} | "
-            f"{_fmt(g['generation_time_s'])} | {_fmt(g['output_tokens'])} | "
-            f"{_known(g['output_tokens_per_s'])} | {_known(g['gpu_hours'])} | "
-            f"{_known(g['output_tokens_per_gpu_hour'])} |"
-        )
-    out += [
-        "",
-        "unknown: the engine does not report it (prefix cache: vLLM without "
-        "--enable-prompt-tokens-details), GPUs that are not the run's own (external servers, "
-        "CPU runs), or no shard whose samples were all generated by the job that wrote it. "
-        "Attempts, wall time and GPU-hours count every attempt of the generate jobs, the "
-        "failed, interrupted and killed ones too (not ok): each attempt's wall time x the GPUs "
-        "its job record says it held.",
-    ]
-
-    out += conversations_markdown(scopes)
-    out += coverage_markdown(summary)
+    reasoning = [
+        [cat, r["think_end_token"] or "not set", _known(r["with_think_end"]),
+         _known(r["unterminated"]), _known(r["without_reasoning"])]
+        for cat, r in ((cat, s["reasoning"]) for cat, s in scopes)
+    ]  # fmt: skip
+    generation = [
+        [cat, ", ".join(f"{k}: {v}" for k, v in s["finish_types"].items()),
+         _known(s["prefix_cache"]["hit_rate"]),
+         f"{_fmt(g['attempts'])} ({_fmt(g['failed_attempts'])})", _fmt(g["wall_time_s"]),
+         _fmt(g["generation_time_s"]), _fmt(g["output_tokens"]),
+         _known(g["output_tokens_per_s"]), _known(g["gpu_hours"]),
+         _known(g["output_tokens_per_gpu_hour"])]
+        for cat, s in scopes
+        for g in (s["generation"],)
+    ]  # fmt: skip
+    blocks: list[doc.Block] = [
+        doc.Heading("tokenmill dataset statistics", level=1),
+        doc.Heading("Records per stage"),
+        doc.Table(["category", "stage", "in", "kept", "rejected", "reasons"],
+                  [L, L, R, R, R, L], stages),
+        doc.Heading("Token lengths (dataset rows)"),
+        doc.Table(["category", "metric", "count", "mean", "p50", "p90", "p99", "max"],
+                  [L, L] + [R] * 6, lengths),
+        doc.Heading("Reasoning (dataset rows)"),
+        doc.Table(["category", "think-end token", "closed reasoning", "unterminated reasoning",
+                   "no reasoning"], [L, L, R, R, R], reasoning),
+        doc.Heading("Generation"),
+        doc.Table(["category", "finish types", "prefix-cache hit rate", "attempts (not ok)",
+                   "wall time (s)", "generation time (s)", "output tokens", "tokens/s",
+                   "GPU-hours", "tokens/GPU-hour"], [L, L] + [R] * 8, generation),
+        doc.Text(
+            "unknown: the engine does not report it (prefix cache: vLLM without "
+            "--enable-prompt-tokens-details), GPUs that are not the run's own (external "
+            "servers, CPU runs), or no shard whose samples were all generated by the job that "
+            "wrote it. Attempts, wall time and GPU-hours count every attempt of the generate "
+            "jobs, the failed, interrupted and killed ones too (not ok): each attempt's wall "
+            "time x the GPUs its job record says it held."
+        ),
+    ]  # fmt: skip
+    blocks += conversation_blocks(scopes)
+    blocks += coverage_blocks(summary)
     c = summary["conservation"]
-    out += ["", "## Conservation", "", "All counts add up." if c["ok"] else "Counts do NOT add up:"]
-    out += [f"- {p}" for p in c["problems"]]
-    return "\n".join(out) + "\n"
+    blocks.append(doc.Heading("Conservation"))
+    if c["ok"]:
+        blocks.append(doc.Text("All counts add up."))
+    else:
+        blocks.append(doc.Text("Counts do NOT add up:", items=list(c["problems"])))
+    return blocks
 
 
-def conversations_markdown(scopes) -> list[str]:
+def conversation_blocks(scopes) -> list[doc.Block]:
     rows = [(cat, s["conversations"]) for cat, s in scopes if "conversations" in s]
     if not rows:
         return []
-    out = [
-        "",
-        "## Conversations regenerated turn by turn (`context: regenerated`)",
-        "",
-        "The stages above count conversations for these categories. A turn is asked only "
-        "when the conversation's earlier turns were generated, so turns after an end "
-        "(tool call diverged, truncated, too long, refused) are never asked. Samples: one "
-        "per conversation when the chat template renders history exactly as generated "
-        "(prefix-exact), else one per turn (docs/multi-turn.md).",
-        "",
-        "| category | conversations | turns in data | turns generated | turns not asked | "
-        "turns kept | turns rejected | samples (per conversation / per turn) | ends |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+    table = doc.Table(
+        ["category", "conversations", "turns in data", "turns generated", "turns not asked",
+         "turns kept", "turns rejected", "samples (per conversation / per turn)", "ends"],
+        [doc.LEFT] + [doc.RIGHT] * 6 + [doc.LEFT, doc.LEFT],
+        [
+            [cat, _fmt(c["conversations"]), _fmt(c["turns_in_data"]),
+             _fmt(c["turns_generated"]), _fmt(c["turns_not_asked"]), _fmt(c["turns_kept"]),
+             _fmt(c["turns_rejected"]),
+             f"{_fmt(c['samples'])} ({_fmt(c['conversation_samples'])} / "
+             f"{_fmt(c['turn_samples'])})",
+             ", ".join(f"{k}: {v}" for k, v in c["ends"].items())]
+            for cat, c in rows
+        ],
+    )  # fmt: skip
+    return [
+        doc.Heading("Conversations regenerated turn by turn (`context: regenerated`)"),
+        doc.Text(
+            "The stages above count conversations for these categories. A turn is asked only "
+            "when the conversation's earlier turns were generated, so turns after an end "
+            "(tool call diverged, truncated, too long, refused) are never asked. Samples: one "
+            "per conversation when the chat template renders history exactly as generated "
+            "(prefix-exact), else one per turn (docs/multi-turn.md)."
+        ),
+        table,
     ]
-    for cat, c in rows:
-        ends = ", ".join(f"{k}: {v}" for k, v in c["ends"].items())
-        out.append(
-            f"| {cat} | {_fmt(c['conversations'])} | {_fmt(c['turns_in_data'])} | "
-            f"{_fmt(c['turns_generated'])} | {_fmt(c['turns_not_asked'])} | "
-            f"{_fmt(c['turns_kept'])} | {_fmt(c['turns_rejected'])} | {_fmt(c['samples'])} "
-            f"({_fmt(c['conversation_samples'])} / {_fmt(c['turn_samples'])}) | {ends} |"
-        )
-    return out
 
 
 def plots(raws: dict, out_dir: Path) -> list[Path]:
@@ -907,7 +901,9 @@ def main(argv: list[str]) -> int:
     # Checked against its contract before it is written: a reader never meets a key it
     # does not know.
     contracts.StatsSummary.from_json(summary, "the statistics").write(out / "summary.json")
-    (out / "summary.md").write_text(markdown(summary))
+    blocks = summary_blocks(summary)
+    (out / "summary.md").write_text(doc.markdown(blocks))
+    (out / "summary.html").write_text(doc.html_fragment(blocks))
     plots(raws, out)
     coverage_plot(layout.Layout(args.results_dir, config.journal_dir), summary, out)
     if not summary["conservation"]["ok"]:
