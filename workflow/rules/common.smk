@@ -27,6 +27,7 @@ from tokenmill import workflow_support as support
 from tokenmill.config import (
     ConfigError,
     check_config,
+    hub_problems,
     job_environment,
     merge_dataset_config,
     outputs_config,
@@ -45,6 +46,12 @@ except ConfigError as exc:
 # The typed, read-only settings of that validated config (tokenmill/settings.py): the helpers
 # below read these; `config` itself stays the validated dict Snakemake holds.
 SETTINGS = Settings.from_validated(config)
+# The controller asks the hub about the repositories the run downloads and the cache lacks
+# (a typo fails here in seconds, in one line); jobs do not: a node may have no network.
+if not (workflow.remote_exec or workflow.subprocess_exec):
+    _hub_problems = hub_problems(SETTINGS, ".")
+    if _hub_problems:
+        raise WorkflowError("invalid configuration:\n  " + "\n  ".join(_hub_problems))
 
 # Operational settings (concurrency, retries, timeouts, resources, engine start-up limits,
 # external URLs, the journal's location) change how a job runs, never its tokens, so changing

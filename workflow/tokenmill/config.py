@@ -60,13 +60,21 @@ def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _in_hub_cache(hub_id: str) -> bool:
+def _in_hub_cache(hub_id: str, repo_type: str = "model") -> bool:
     """Whether the local Hugging Face cache holds a snapshot of `hub_id` (no network)."""
     try:
         from huggingface_hub.constants import HF_HUB_CACHE
     except ImportError:
         return False
-    return (Path(HF_HUB_CACHE) / ("models--" + hub_id.replace("/", "--")) / "snapshots").is_dir()
+    folder = f"{repo_type}s--" + hub_id.replace("/", "--")
+    return (Path(HF_HUB_CACHE) / folder / "snapshots").is_dir()
+
+
+def hf_command(args: str) -> str:
+    """A `hf` command line the user can run as printed: the CLI beside this interpreter (the
+    venv's; `huggingface-cli` is not installed with huggingface_hub 1.x and later)."""
+    beside = Path(sys.executable).parent / "hf"
+    return f"{beside if beside.is_file() else 'hf'} {args}"
 
 
 def path_problem(key: str, path: str, base: Path) -> str | None:
@@ -81,7 +89,7 @@ def path_problem(key: str, path: str, base: Path) -> str | None:
         if _hub_offline() and not _in_hub_cache(path):
             return (
                 f"config key '{key}': hub id '{path}' is not in the local Hugging Face cache "
-                f"and HF_HUB_OFFLINE is set (download it first: huggingface-cli download {path})"
+                f"and HF_HUB_OFFLINE is set (download it first: {hf_command('download ' + path)})"
             )
         return None
     hint = ""
@@ -93,6 +101,75 @@ def path_problem(key: str, path: str, base: Path) -> str | None:
         f"config key '{key}': '{path}' does not exist (relative to '{base}'; read as a local "
         f"path because {why}){hint}"
     )
+
+
+HUB_TIMEOUT_S = 5.0  # per question; a typo must fail in seconds, not after a job's retries
+
+
+def hub_ids(s: Settings, base: Path) -> list[tuple[str, str, str, str | None]]:
+    """(config key, repo type, hub id, revision) of every hub repository the run downloads:
+    the tokenizer, the managed engine's model and the categories' hub sources."""
+    out = []
+    if (
+        _looks_local(s.tokenizer.path, base) is None
+        and not _local_path(s.tokenizer.path, base).exists()
+    ):
+        out.append(("tokenizer.path", "model", s.tokenizer.path, s.tokenizer.revision))
+    gen = s.generation
+    if gen.managed and gen.model and _looks_local(gen.model, base) is None:  # noqa: SIM102
+        if not _local_path(gen.model, base).exists():
+            out.append(("generation.model", "model", gen.model, gen.revision))
+    for name, cat in sorted(s.categories.items()):
+        for i, src in enumerate(cat.source_specs()):
+            if src.get("hub"):
+                key = f"categories.{name}.sources[{i}].hub"
+                out.append((key, "dataset", src["hub"], src.get("revision")))
+    return out
+
+
+def hub_problems(s: Settings, basedir: str | Path = ".") -> list[str]:
+    """Ask the hub whether each repository the run downloads exists, for the ones the local
+    cache does not hold: one line per problem, in seconds, before any job starts (the
+    controller only: a job may run where there is no network). Nothing is asked with
+    HF_HUB_OFFLINE=1 (path_problem checks the cache then)."""
+    if _hub_offline():
+        return []
+    wanted = [w for w in hub_ids(s, Path(basedir)) if not _in_hub_cache(w[2], w[1])]
+    if not wanted:
+        return []
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub import errors as hf_errors
+
+    api, problems = HfApi(), []
+    for key, repo_type, repo, revision in wanted:
+        at = f"hub id '{repo}'" + (f" at revision '{revision}'" if revision else "")
+        try:
+            if repo_type == "dataset":
+                api.dataset_info(repo, revision=revision, timeout=HUB_TIMEOUT_S)
+            else:
+                api.model_info(repo, revision=revision, timeout=HUB_TIMEOUT_S)
+        except hf_errors.GatedRepoError:
+            problems.append(
+                f"config key '{key}': {at} is gated: accept its terms on "
+                f"{constants.ENDPOINT}/{'datasets/' if repo_type == 'dataset' else ''}{repo} "
+                f"and log in ({hf_command('auth login')}) or set HF_TOKEN"
+            )
+        except hf_errors.RevisionNotFoundError:
+            problems.append(f"config key '{key}': {at}: the revision does not exist on the hub")
+        except hf_errors.RepositoryNotFoundError:
+            problems.append(
+                f"config key '{key}': {at} does not exist on {constants.ENDPOINT} (a typo? a "
+                f"private repository needs {hf_command('auth login')} or HF_TOKEN)"
+            )
+        except Exception as exc:  # no network, DNS, TLS, timeout: the job could not download
+            problems.append(
+                f"config key '{key}': {at} is not in the local Hugging Face cache and "
+                f"{constants.ENDPOINT} cannot be reached ({type(exc).__name__}); download it "
+                f"where there is network ({hf_command('download ' + repo)}"
+                + (" --repo-type dataset" if repo_type == "dataset" else "")
+                + "), then run with HF_HUB_OFFLINE=1"
+            )
+    return problems
 
 
 def check_semantics(config: Settings | dict, basedir: str | Path = ".") -> None:
