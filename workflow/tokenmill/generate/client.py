@@ -552,7 +552,9 @@ class Client:
                 while any(not w.done() for w in workers):
                     done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                     for t in done:
-                        if t.exception() is not None:
+                        # A worker stopped by a fail-fast ends cancelled; the worker that
+                        # failed fast holds the cause, in this batch or a later one.
+                        if not t.cancelled() and t.exception() is not None:
                             raise t.exception()
             finally:
                 for t in workers + helpers:
