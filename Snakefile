@@ -47,17 +47,24 @@ rule all:
 if not (workflow.remote_exec or workflow.subprocess_exec):
     from tokenmill import run_summary
 
+    from tokenmill import status
+
     RUN_STARTED = run_summary.started()
     RETIRED = []
+    # While generate jobs run: one progress line when it changes, at most once a minute.
+    PROGRESS = status.Progress(SETTINGS)
 
     onstart:
         _slurm_problem = support.slurm_tools_problem(workflow)
         if _slurm_problem:
             raise WorkflowError(_slurm_problem)
         RETIRED.extend(support.on_start(workflow, LAYOUT, SETTINGS))
+        PROGRESS.start()
 
     onsuccess:
+        PROGRESS.stop()
         run_summary.print_summary(LAYOUT, SETTINGS, True, RUN_STARTED, RETIRED)
 
     onerror:
+        PROGRESS.stop()
         run_summary.print_summary(LAYOUT, SETTINGS, False, RUN_STARTED, RETIRED)

@@ -32,6 +32,7 @@ COMMANDS = {
     ),
     "draft-vocab": ("tokenmill.dataset.draft_vocab", "token counts -> EAGLE-3 draft vocabulary"),
     "stats": ("tokenmill.dataset.stats", "summary statistics, tables and plots"),
+    "status": ("tokenmill.status", "how far generation is: per shard, rate, time left, failures"),
     "card": ("tokenmill.dataset.card", "write the dataset card (README.md) of results/dataset"),
     "provenance": ("tokenmill.provenance.manifest", "write provenance.json for a finished run"),
     "verify": ("tokenmill.provenance.verify", "check a directory against a provenance file"),
