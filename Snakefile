@@ -55,7 +55,9 @@ if not (workflow.remote_exec or workflow.subprocess_exec):
     PROGRESS = status.Progress(SETTINGS)
 
     onstart:
-        _slurm_problem = support.slurm_tools_problem(workflow)
+        _slurm_problem = support.slurm_tools_problem(
+            workflow
+        ) or support.slurm_cluster_problem(workflow)
         if _slurm_problem:
             raise WorkflowError(_slurm_problem)
         RETIRED.extend(support.on_start(workflow, LAYOUT, SETTINGS))

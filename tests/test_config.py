@@ -311,3 +311,84 @@ def test_slurm_executor_without_slurm_commands_fails_in_one_sentence(tmp_path):
     assert "the slurm executor (--profile slurm, or --executor slurm) needs SLURM's commands" in out
     assert "Traceback" not in out, out[-3000:]
     assert not (workdir / "results").exists(), "a job ran"
+
+
+NO_CLUSTER_CONF = """\
+ClusterName=nowhere
+SlurmctldHost=localhost
+SlurmctldPort={port}
+AuthType=auth/munge
+NodeName=localhost CPUs=1 State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES State=UP
+"""
+
+
+def no_cluster_conf(tmp_path) -> Path:
+    """A slurm.conf whose controller nobody runs (a port nothing listens on) and which keeps
+    no accounting: SLURM's real client answers as on a machine with the client and no cluster."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(NO_CLUSTER_CONF.format(port=port))
+    return conf
+
+
+def needs_slurm_client():
+    import shutil
+
+    if not all(shutil.which(t) for t in ("sbatch", "scontrol", "sacct")):
+        if os.environ.get("CI") == "true":
+            pytest.fail("SLURM's client is not installed under CI=true: make test-deps installs it")
+        pytest.skip("SLURM's client is not installed (apt-get install slurm-client)")
+
+
+@pytest.mark.e2e
+def test_slurm_client_without_a_cluster_fails_before_any_job_in_one_sentence(tmp_path):
+    """SLURM's commands are installed, no controller answers: the run stops at its start with
+    one sentence naming `scontrol ping`'s answer, not one `sinfo: fatal` block per job."""
+    from helpers import copy_workflow, tool_env
+
+    needs_slurm_client()
+    workdir = copy_workflow(tmp_path / "wf")
+    proc = subprocess.run(
+        [SNAKEMAKE, "--profile", "profiles/slurm", "results/prompts/chat.parquet"],
+        cwd=workdir, capture_output=True, text=True, timeout=300,
+        env=tool_env(SLURM_CONF=str(no_cluster_conf(tmp_path))),
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "SLURM's controller does not answer (scontrol ping: " in out, out[-3000:]
+    assert "Traceback" not in out and "sinfo: fatal" not in out, out[-3000:]
+    assert not (workdir / "results").exists(), "a job ran"
+
+
+def test_sacct_without_accounting_names_the_status_command_to_set(tmp_path, monkeypatch):
+    """The real sacct against a cluster config without accounting; the controller is taken as
+    up (scontrol ping is the one answer replaced): the sentence says what to set."""
+    from types import SimpleNamespace
+
+    from tokenmill.workflow_support import slurm_cluster_problem
+
+    needs_slurm_client()
+    monkeypatch.setenv("SLURM_CONF", str(no_cluster_conf(tmp_path)))
+
+    def run(argv, **kw):
+        if argv[:2] == ["scontrol", "ping"]:
+            return subprocess.CompletedProcess(argv, 0, "Slurmctld(primary) at x is UP\n", "")
+        return subprocess.run(argv, **kw)
+
+    plugin = SimpleNamespace(name="slurm", cli_prefix="slurm")
+    sacct = SimpleNamespace(executor_plugin=plugin, executor_settings=SimpleNamespace())
+    line = slurm_cluster_problem(sacct, run=run)
+    assert line and "accounting storage is disabled" in line, line
+    assert "`slurm-status-command: squeue`" in line and "\n" not in line
+    squeue = SimpleNamespace(
+        executor_plugin=plugin, executor_settings=SimpleNamespace(status_command="squeue")
+    )
+    assert slurm_cluster_problem(squeue, run=run) is None
+    # The controller down, said before anything else, by the real scontrol.
+    down = slurm_cluster_problem(sacct)
+    assert down and down.startswith("SLURM's controller does not answer"), down

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 from tokenmill.contracts import canonical_json, sha256_file
@@ -57,6 +58,55 @@ def stale_lock_hint(argv: list[str], workdir=".") -> str | None:
     )
 
 
+SLURM_QUERY_TIMEOUT_S = 30
+
+
+def _uses_slurm(workflow) -> bool:
+    plugin = getattr(workflow, "executor_plugin", None)
+    return "slurm" in (getattr(plugin, "cli_prefix", None), getattr(plugin, "name", None))
+
+
+def _first_line(proc) -> str:
+    text = (proc.stderr or "") + (proc.stdout or "")
+    return next((line.strip() for line in text.splitlines() if line.strip()), "no output")
+
+
+def slurm_cluster_problem(workflow, run=subprocess.run) -> str | None:
+    """One sentence when SLURM's commands are here but the cluster cannot take the run: its
+    controller does not answer (`scontrol ping`; every job and retry would print its own
+    `sinfo: fatal` block), or the executor follows jobs with sacct and the cluster keeps no
+    accounting (the controller would wait without a word after its jobs ended). None
+    otherwise, and when the commands themselves are missing (slurm_tools_problem says it)."""
+    if not _uses_slurm(workflow) or not shutil.which("scontrol"):
+        return None
+    kw = {"capture_output": True, "text": True, "timeout": SLURM_QUERY_TIMEOUT_S}
+    try:
+        ping = run(["scontrol", "ping"], **kw)
+    except subprocess.TimeoutExpired:
+        ping = None
+    if ping is None or (ping.returncode != 0 and " is UP" not in ping.stdout):
+        said = f"no answer in {SLURM_QUERY_TIMEOUT_S} s" if ping is None else _first_line(ping)
+        return (
+            f"SLURM's controller does not answer (scontrol ping: {said}): run Snakemake where "
+            "the cluster answers (its login node), or use --profile profiles/local"
+        )
+    settings = getattr(workflow, "executor_settings", None)
+    status_command = getattr(settings, "status_command", None) or "sacct"
+    if status_command != "sacct" or not shutil.which("sacct"):
+        return None
+    try:
+        sacct = run(["sacct", "-n", "-X", "-j", "1", "-o", "JobID"], **kw)
+    except subprocess.TimeoutExpired:
+        return None  # slow accounting is still accounting
+    if sacct.returncode == 0:
+        return None
+    return (
+        f"the slurm executor follows jobs with sacct, and sacct fails here ({_first_line(sacct)}): "
+        "on a cluster without job accounting add `slurm-status-command: squeue` to your profile "
+        "(profiles/slurm/config.yaml says what squeue needs)"
+    )
+
+
 def on_start(workflow, lay, settings) -> list[str]:
     """The controller's first act once the jobs are planned (the Snakefile's onstart, after
     slurm_tools_problem): the files the config no longer declares retired from the published
@@ -79,8 +129,7 @@ def slurm_tools_problem(workflow, which=shutil.which) -> str | None:
     the SLURM commands the executor calls (sbatch to submit; sacct, or squeue, to follow jobs);
     None otherwise. The Snakefile's onstart raises it before any job is submitted, instead of
     one traceback per job."""
-    plugin = getattr(workflow, "executor_plugin", None)
-    if "slurm" not in (getattr(plugin, "cli_prefix", None), getattr(plugin, "name", None)):
+    if not _uses_slurm(workflow):
         return None
     missing = [] if which("sbatch") else ["sbatch"]
     if not (which("sacct") or which("squeue")):
