@@ -246,3 +246,41 @@ def test_restarted_controller_waits_for_its_orphaned_job_and_completes(tmp_path)
                 proc.wait(timeout=30)
         if holder is not None and os.path.exists(f"/proc/{holder}"):
             os.kill(holder, 15)
+
+
+def test_a_systemic_failure_stops_every_shard_of_the_run_after_one_batch(tmp_path):
+    """Issue 28: every request of the run is answered with the same 500 (the engine refuses
+    the requests' shape: no shard can do better). Three shards, run one after the other as a
+    queue starts them (--cores 1, --keep-going): the first fails fast after one in-flight batch
+    and records the failure run-wide; the two later shards are refused before they start an
+    engine. One engine start and one batch of requests in all (before: three of each)."""
+    workdir = copy_workflow(tmp_path)
+    counter = tmp_path / "requests.jsonl"
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    config["categories"] = {"code": {**config["categories"]["code"], "shards": 3}}
+    fake = ["{python}", fake_sglang.FAKE, "--model-path", "{model}", "--host", "{host}"]
+    fake += ["--port", "{port}", "--counter-file", str(counter), "--fail-500", "1000000"]
+    gen = config["generation"]
+    gen["launch"]["command"] = fake
+    gen["concurrency"] = 4
+    (workdir / "systemic.yaml").write_text(yaml.safe_dump(config))
+
+    run = snakemake(workdir, "--configfile", "systemic.yaml", "--cores", "1", "--keep-going")
+    assert run.returncode != 0, run.stdout[-3000:]
+    said = run.stdout + run.stderr
+    starts = {
+        s: (workdir / f"results/logs/generate/code/{s}/engine.log") for s in ("000", "001", "002")
+    }
+    engine_starts = sum(
+        p.read_text().count("engine start #") for p in starts.values() if p.exists()
+    )
+    assert engine_starts == 1, said[-3000:]
+    requests = fake_sglang.count_requests(counter)
+    settings = Settings.from_config(config).generation
+    assert 0 < requests <= settings.concurrency + settings.retry.fail_fast_after, requests
+    # The shards that never started name the one that failed, and why, in the run's last lines.
+    last = "\n".join(said.strip().splitlines()[-12:])
+    assert "failed for a reason every shard shares with this config" in last, last
+    assert "HTTP 500" in last, last
+    record = workdir / "journal/_jobs/generate/run_failure.json"
+    assert json.loads(record.read_text())["identity"]["generation_fingerprint"]

@@ -274,6 +274,11 @@ class Layout:
     def failure_record(self, stage: str, category: str, shard: str) -> str:
         return os.path.join(self.job_dir(stage, category, shard), "failure.json")
 
+    def run_failure_record(self, stage: str) -> str:
+        """A failure every job of the stage shares with this config (the engine refuses the
+        requests' shape: generate's fail-fast): the stage's other jobs stop on it."""
+        return self._j("_jobs", stage, "run_failure.json")
+
     def hidden_states_journal(self, category: str, shard: str) -> str:
         return self._j("_hidden_states", category, f"{shard}.jsonl")
 

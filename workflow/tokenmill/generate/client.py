@@ -96,6 +96,10 @@ class FailFast(GenerationFailed):
     """The first requests of a run all failed with the same deterministic error."""
 
 
+class RunStopped(GenerationFailed):
+    """Another job of the run failed for a reason every shard shares (its fail-fast)."""
+
+
 class TooManyRejections(GenerationFailed):
     """The share of refused prompts says the config or the server is wrong, not the prompts."""
 
@@ -301,6 +305,7 @@ class Client:
         api: EngineAPI | None = None,
         guard: RejectionGuard | None = None,
         follow: Callable[[dict], list[Item]] | None = None,
+        stop_check: Callable[[], str | None] | None = None,
     ):
         if not urls:
             raise ValueError("no server URLs")
@@ -313,6 +318,8 @@ class Client:
         # follow(record) -> the items that this answer makes possible (the next turn of a
         # conversation): queued at once, so a worker never waits while work is ready.
         self.follow = follow
+        # stop_check() -> why the whole run stops (failure.RunStop), asked before each request
+        self.stop_check = stop_check
         self._active = 0
         self._wakeup = asyncio.Event()
         self._queue: asyncio.Queue | None = None
@@ -341,6 +348,10 @@ class Client:
     async def _once(self, session: aiohttp.ClientSession, item: Item, attempt: int):
         if self._stopping:  # the run failed fast: not one request more than its message says
             raise asyncio.CancelledError
+        why = self.stop_check() if self.stop_check is not None else None
+        if why:
+            self._stopping = True
+            raise RunStopped(f"{why}; stopped after {plural(self.stats.requested, 'request')}")
         url = self._pick_url()
         self._in_flight[url] += 1
         self.stats.in_flight += 1

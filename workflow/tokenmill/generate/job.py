@@ -35,13 +35,14 @@ import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 
-from tokenmill import contracts, engines, keys
+from tokenmill import contracts, engines, keys, layout
 from tokenmill.engines.launch import ExternalEngines, ManagedEngine
-from tokenmill.generate import journal
+from tokenmill.generate import failure, journal
 from tokenmill.generate.client import (
     OK,
     REJECTED,
@@ -231,6 +232,12 @@ class Job:
     unjournaled: dict = field(default_factory=dict)  # this job's engine errors, by key
 
 
+def job_layout(args) -> layout.Layout:
+    """The run's layout as the generate command sees it: results/ above its output
+    (results/generated/{category}/{shard}.parquet) and the journal folder it is given."""
+    return layout.Layout(str(Path(args.out).parent.parent.parent), args.journal_dir)
+
+
 def open_job(args, gen: GenerationSettings, tok_cfg: TokenizerSettings, meta: dict,
              t0: float | None, wanted, pre_reject=None) -> Job:  # fmt: skip
     """Check the settings a request needs, read the shard's keys, bring the journal to the
@@ -324,6 +331,11 @@ async def generate(job: Job, missing: list[Item], frontier=None, follow=None) ->
     )
     check_vocab(job.shard, gen, args.basedir, meta)
     opts = ClientOptions.from_config(gen, stop_ids, key)
+    # Another shard's fail-fast (a failure every shard shares) stops this job's requests too.
+    run_stop = failure.RunStop(
+        job_layout(args).run_failure_record("generate"), failure.run_identity(gen),
+        (args.category, args.shard),
+    )  # fmt: skip
     ok_before = sum(1 for k in job.index.entries if job.index.ok(k))
     guard = RejectionGuard(opts.reject_max_fraction, opts.reject_min_count, ok_before)
     engine = (
@@ -372,8 +384,9 @@ async def generate(job: Job, missing: list[Item], frontier=None, follow=None) ->
                 break
             alive = engine.alive if managed else None
             client = Client(
-                urls, opts, on_record, alive, stats, api=api, guard=guard, follow=follow
-            )
+                urls, opts, on_record, alive, stats, api=api, guard=guard, follow=follow,
+                stop_check=run_stop,
+            )  # fmt: skip
             if "first_request" not in clock:
                 # The generation window opens now: progress lines' rates count from here.
                 clock["first_request"] = stats.started = time.monotonic()

@@ -35,11 +35,11 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tokenmill import contracts, layout
+from tokenmill import contracts
 from tokenmill.engines.launch import EngineError
 from tokenmill.generate import conversations, failure, prompts
-from tokenmill.generate.client import FailFast, GenerationFailed, TooManyRejections
-from tokenmill.generate.job import engine_version, job_record
+from tokenmill.generate.client import FailFast, GenerationFailed, RunStopped, TooManyRejections
+from tokenmill.generate.job import engine_version, job_layout, job_record
 from tokenmill.jobs import harness
 from tokenmill.jobs.lock import ShardLocked
 from tokenmill.redaction import redact
@@ -136,9 +136,11 @@ def main(argv: list[str]) -> int:
     held = harness.held(gen.managed, resources.gpus, gen.launch.nnodes, source)
     spec = harness.JobSpec(
         stage="generate", category=args.category, shard=args.shard,
-        layout=layout.Layout(str(Path(args.out).parent.parent.parent), args.journal_dir),
+        layout=job_layout(args),
         log=str(Path(args.log_dir) / "generate.log"), gpus=held.gpus, settings=jobs,
-        identity=failure.identity(gen, args.tokenized), deterministic=(FailFast, TooManyRejections),
+        identity=failure.identity(gen, args.tokenized),
+        deterministic=(FailFast, TooManyRejections, RunStopped),
+        run_identity=failure.run_identity(gen), systemic=(FailFast,),
     )  # fmt: skip
     meta: dict = {
         "start_time": datetime.now(UTC).isoformat(timespec="seconds"),

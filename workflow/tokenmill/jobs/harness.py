@@ -78,6 +78,27 @@ class JobSpec:
     settings: object  # settings.JobsSettings: lock wait and poll, heartbeat
     identity: dict | None = None  # what a deterministic failure holds for (None: never recorded)
     deterministic: tuple[type[BaseException], ...] = ()
+    # A failure every shard shares (recorded run-wide: the stage's other jobs stop on it) and
+    # what it holds for (the config without the shard).
+    run_identity: dict | None = None
+    systemic: tuple[type[BaseException], ...] = ()
+
+
+def shared_failure(path, identity: dict, own_shard: tuple[str, str]) -> str | None:
+    """The one-line cause of the run-wide failure recorded at `path` for this identity by
+    another shard than `own_shard` (category, shard), or None. A shard's own failure is its
+    own record's business (failure.json: deleting it lets that shard try again)."""
+    try:
+        rec = FailureRecord.read(path)
+    except contracts.RecordError:
+        return None
+    if rec.identity != identity or (rec.category, rec.shard) == tuple(own_shard):
+        return None
+    first = next((line for line in rec.message.splitlines() if line.strip()), "")
+    return (
+        f"the generate job of {rec.category}/{rec.shard} ({rec.time}) failed for a reason every "
+        f"shard shares with this config: {first[:300]}"
+    )
 
 
 def slurm_job(env=None) -> SlurmJob:
@@ -209,6 +230,7 @@ class GpuJob:
         self.attempts_path = Path(lay.attempts(st, spec.category, spec.shard))
         self.alive_path = self.attempts_path.with_name("alive.json")
         self.failure_path = Path(lay.failure_record(st, spec.category, spec.shard))
+        self.run_failure_path = Path(lay.run_failure_record(st))
         self.lock_path = Path(lay.shard_lock(st, spec.category, spec.shard))
         self.t0 = time.monotonic() - process_age_s()
         started = datetime.now(UTC).timestamp() - (time.monotonic() - self.t0)
@@ -247,6 +269,13 @@ class GpuJob:
                     f"{cause}; not starting an engine. Change the config, or delete "
                     f"{self.failure_path} to try again. Its message:\n{earlier.message}"
                 )
+            shared = self.shared_failure()
+            if shared is not None:
+                self._end("refused", shared, deterministic=True)
+                raise Refused(
+                    f"{shared}; not starting an engine. Change the config, or delete "
+                    f"{self.run_failure_path} to try again"
+                )
             append_attempt(self.attempts_path, self.attempt)
             self._beat = threading.Thread(target=self._heartbeat, daemon=True)
             self._beat.start()
@@ -279,6 +308,13 @@ class GpuJob:
         except contracts.RecordError:
             return None
         return rec if rec.identity == self.spec.identity else None
+
+    def shared_failure(self) -> str | None:
+        """Another job's failure that every shard shares with this config (run-wide record)."""
+        if self.spec.run_identity is None:
+            return None
+        own = (self.spec.category, self.spec.shard)
+        return shared_failure(self.run_failure_path, self.spec.run_identity, own)
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.spec.settings.heartbeat_s):
@@ -321,6 +357,11 @@ class GpuJob:
         self.attempt, self._done = final, True
         if self.failure_path.exists():
             self.failure_path.unlink(missing_ok=True)
+        # a shard that succeeds with this config disproves a failure "every shard shares"
+        if self.spec.run_identity is not None and self.run_failure_path.exists():
+            with contextlib.suppress(OSError, contracts.RecordError):
+                if FailureRecord.read(self.run_failure_path).identity == self.spec.run_identity:
+                    self.run_failure_path.unlink(missing_ok=True)
         return [*since_last_success(earlier), final]
 
     # ---------------------------------------------------------------------------- leaving
@@ -343,6 +384,13 @@ class GpuJob:
                         message=str(exc), time=now_iso(), attempt=self.attempt.id,
                         slurm_job_id=self.attempt.slurm.job_id,
                     ).write(self.failure_path)  # fmt: skip
+                if isinstance(exc, self.spec.systemic) and self.spec.run_identity is not None:
+                    FailureRecord(
+                        stage=self.spec.stage, category=self.spec.category,
+                        shard=self.spec.shard, identity=self.spec.run_identity,
+                        message=str(exc), time=now_iso(), attempt=self.attempt.id,
+                        slurm_job_id=self.attempt.slurm.job_id,
+                    ).write(self.run_failure_path)  # fmt: skip
         finally:
             self._release()
         return False
