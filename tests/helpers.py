@@ -14,7 +14,7 @@ BIN = Path(sys.executable).parent  # the venv's bin: snakemake, tokenmill, ruff
 
 # What a workflow copy holds: enough for `snakemake` to run the pipeline on the sample data.
 WORKFLOW_FILES = ("Snakefile", "config.yaml", "pyproject.toml")
-WORKFLOW_DIRS = ("workflow", "sample", "profiles")
+WORKFLOW_DIRS = ("workflow", "envs", "sample", "profiles")
 
 
 def tool_env(**extra: str) -> dict:

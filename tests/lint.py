@@ -4,7 +4,7 @@ when any failed, and each failure prints its command's output.
 
 - `ruff check .` and `ruff format --check .`;
 - `snakefmt --check Snakefile workflow/rules`;
-- `snakemake --lint`: clean; every rule has its group's conda environment (workflow/envs/,
+- `snakemake --lint`: clean; every rule has its group's conda environment (envs/,
   docs/cluster.md, "Software on the nodes"), and any lint fails.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
-# No lint is accepted (the conda environments of workflow/envs/ answer the one that used to be).
+# No lint is accepted (the conda environments of envs/ answer the one that used to be).
 ACCEPTED_LINTS: set[str] = set()
 
 

@@ -1,4 +1,4 @@
-"""workflow/envs/: one conda environment per rule group, dependencies only, and the engine's
+"""envs/: one conda environment per rule group, dependencies only, and the engine's
 container definition.
 
 What is tested here (no conda channel and no container registry are reachable from the test
@@ -35,7 +35,7 @@ from helpers import ROOT, TEST_CACHE
 
 import tokenmill
 
-ENVS = ROOT / "workflow" / "envs"
+ENVS = ROOT / "envs"
 RULES = ROOT / "workflow" / "rules"
 PACKAGE = ROOT / "workflow" / "tokenmill"
 # rule file -> the env of its rule group
@@ -109,7 +109,7 @@ def test_every_rule_has_the_env_of_its_group():
         assert rules and len(blocks) == len(rules)
         for rule, block in zip(rules, blocks, strict=True):
             found = re.findall(r'^    conda:\n        "([^"]+)"', block, flags=re.M)
-            assert found == [f"../envs/{env}.yaml"], rule
+            assert found == [f"../../envs/{env}.yaml"], rule
             assert (RULES / found[0]).resolve().is_file()
     assert sorted(p.stem for p in ENVS.glob("*.yaml")) == sorted(set(GROUPS.values()))
 
@@ -154,7 +154,7 @@ def test_container_definition_runs_the_documented_engine():
     runscript = definition.split("%runscript", 1)[1].split("%", 1)[0]
     assert "python3 -m sglang.launch_server" in runscript
     cluster = (ROOT / "docs" / "cluster.md").read_text()
-    assert "workflow/envs/sglang.def" in cluster
+    assert "envs/sglang.def" in cluster
     assert "python3, -m, sglang.launch_server" in cluster
 
 

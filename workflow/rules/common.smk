@@ -9,7 +9,7 @@ import sys
 # (PYTHONPATH), and the rules' `tokenmill` is workflow/bin/tokenmill, which runs it with the
 # first python3 on PATH: the interpreter running Snakemake (its folder comes next; on SLURM the
 # job's Snakemake runs the same interpreter from the shared filesystem), or the rule's conda
-# environment (workflow/envs/*.yaml) when Snakemake activates one. Changing neither the rules' shell
+# environment (envs/*.yaml) when Snakemake activates one. Changing neither the rules' shell
 # text nor their params, this reruns nothing.
 _PACKAGE_DIR = os.path.join(workflow.basedir, "workflow")
 if sys.path[0] != _PACKAGE_DIR:

@@ -7,7 +7,7 @@ rule token_facts:
         LAYOUT.log("token_facts"),
     retries: CPU_RETRIES
     conda:
-        "../envs/dataset.yaml"
+        "../../envs/dataset.yaml"
     # What the facts depend on; the sections themselves come from the environment (common.smk).
     params:
         tokenizer=tokenizer_json,
@@ -37,7 +37,7 @@ rule merge_shard:
         LAYOUT.benchmark("merge", "{category}", "{shard}")
     retries: CPU_RETRIES
     conda:
-        "../envs/dataset.yaml"
+        "../../envs/dataset.yaml"
     # The generation section comes from the environment (see common.smk); its fingerprint is
     # the rerun trigger.
     params:
@@ -63,7 +63,7 @@ rule export_jsonl:
         LAYOUT.log("export", "{category}", "{shard}"),
     retries: CPU_RETRIES
     conda:
-        "../envs/dataset.yaml"
+        "../../envs/dataset.yaml"
     shell:
         "tokenmill export-jsonl --dataset {input.dataset:q} --out {output.jsonl:q} > {log:q} 2>&1"
 
@@ -80,7 +80,7 @@ rule judge_category:
         LAYOUT.log("verdict", "{category}"),
     retries: CPU_RETRIES
     conda:
-        "../envs/dataset.yaml"
+        "../../envs/dataset.yaml"
     # The limits are operational, as for every guard (not a rerun trigger): a failed verdict
     # leaves no output, so the next run judges again with the limits it is given.
     shell:
@@ -98,7 +98,7 @@ rule sum_token_counts:
         LAYOUT.log("token_counts", "{category}"),
     retries: CPU_RETRIES
     conda:
-        "../envs/dataset.yaml"
+        "../../envs/dataset.yaml"
     shell:
         "tokenmill draft-vocab sum --category {wildcards.category:q} --counts {input.counts:q}"
         " --out {output.counts:q} > {log:q} 2>&1"
@@ -113,7 +113,7 @@ rule sum_all_token_counts:
         LAYOUT.log("token_counts", "_all"),
     retries: CPU_RETRIES
     conda:
-        "../envs/dataset.yaml"
+        "../../envs/dataset.yaml"
     shell:
         "tokenmill draft-vocab sum --all --counts {input.counts:q} --out {output.counts:q}"
         " > {log:q} 2>&1"
@@ -132,7 +132,7 @@ rule draft_vocab:
         LAYOUT.log("draft_vocab"),
     retries: CPU_RETRIES
     conda:
-        "../envs/dataset.yaml"
+        "../../envs/dataset.yaml"
     # The stop tokens and the model (the always-included ids, the target vocabulary) are in the
     # generation fingerprint; the section itself comes from the environment (see common.smk).
     params:
@@ -182,7 +182,7 @@ rule summarize_stats:
         LAYOUT.log("stats"),
     retries: CPU_RETRIES
     conda:
-        "../envs/dataset.yaml"
+        "../../envs/dataset.yaml"
     # params.config (the config without operational settings) is the rerun trigger; the
     # command reads the whole resolved config from the environment (see common.smk).
     params:
@@ -204,7 +204,7 @@ rule write_dataset_card:
         LAYOUT.log("card"),
     retries: CPU_RETRIES
     conda:
-        "../envs/dataset.yaml"
+        "../../envs/dataset.yaml"
     params:
         config=outputs_config_json,
         results=results_dir,
@@ -224,7 +224,7 @@ rule write_provenance:
         LAYOUT.log("provenance"),
     retries: CPU_RETRIES
     conda:
-        "../envs/dataset.yaml"
+        "../../envs/dataset.yaml"
     # Which --configfile was given is not a rerun trigger either: the resolved config is.
     params:
         config=outputs_config_json,
@@ -244,7 +244,7 @@ rule compare_with_manifest:
         LAYOUT.log("reproduce"),
     retries: CPU_RETRIES
     conda:
-        "../envs/dataset.yaml"
+        "../../envs/dataset.yaml"
     params:
         manifest=SETTINGS.reproduce or "",
         results=results_dir,

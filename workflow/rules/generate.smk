@@ -18,7 +18,7 @@ rule generate_shard:
     # tee ignores SIGTERM/SIGINT (SLURM signals every process of the job): it keeps copying
     # until generate itself has written its last line and exits.
     conda:
-        "../envs/generate.yaml"
+        "../../envs/generate.yaml"
     # No `retries:` here: a rule's own count would override the `--retries 0` that the slurm
     # executor gives the Snakemake inside each job, which then retried inside the allocation.
     # The profile's `retries` is the only count (profiles/*/config.yaml).

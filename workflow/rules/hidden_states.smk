@@ -14,7 +14,7 @@ rule extract_hidden_states:
     benchmark:
         LAYOUT.benchmark("hidden_states", "{category}", "{shard}")
     conda:
-        "../envs/hidden_states.yaml"
+        "../../envs/hidden_states.yaml"
     resources:
         gpu=hidden_states_resource("gpu"),
         gpu_model=hidden_states_resource("gpu_model"),

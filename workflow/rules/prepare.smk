@@ -10,7 +10,7 @@ rule prepare_prompts:
         LAYOUT.benchmark("prepare", "{category}")
     retries: CPU_RETRIES
     conda:
-        "../envs/prepare.yaml"
+        "../../envs/prepare.yaml"
     params:
         category=category_json,
     shell:

@@ -13,7 +13,7 @@ checkpoint tokenize_prompts:
         LAYOUT.benchmark("tokenize", "{category}")
     retries: CPU_RETRIES
     conda:
-        "../envs/tokenize.yaml"
+        "../../envs/tokenize.yaml"
     threads: workflow.cores
     params:
         tokenizer=tokenizer_json,
