@@ -504,6 +504,11 @@ def faults(pipeline, tmp_path_factory):
         done = lambda: journal_records(cancel_dir, "code", "001")  # noqa: E731
         assert wait_until(lambda: jobs() and done() >= 2, 240, cancel_proc), "no progress"
         actions["scancel"], actions["records_at_scancel"] = jobs()[0], done()
+        # `tokenmill status` while the job runs on SLURM (it reads files only, never SLURM).
+        actions["status"] = subprocess.run(
+            [str(BIN / "tokenmill"), "status", "--configfile", str(cancel_cfg)],
+            cwd=cancel_dir, capture_output=True, text=True, timeout=60,
+        ).stdout  # fmt: skip
         sh("scancel", actions["scancel"])
         assert wait_until(lambda: sacct([actions["scancel"]]), 30)
         noticed = wait_until(lambda: cancel_proc.poll() is not None, CANCEL_NOTICE_S)
@@ -593,6 +598,13 @@ def test_scancel_then_rerun_resumes_from_the_journal(faults):
     if actions["controller_noticed_cancel"]:
         assert "SLURM status is: 'CANCELLED'" in out, tail(out)
     # else: plugin 2.8.0 reads sacct's "CANCELLED by <uid>" as still running (docs/cluster.md).
+
+    # The status asked while the cancelled job ran: code/001 running, part way.
+    rows = [line.split() for line in actions["status"].splitlines()]
+    row = next(r for r in rows if r[:2] == ["code", "001"])
+    assert row[4] == "running", actions["status"]
+    assert actions["records_at_scancel"] <= int(row[2]) < int(row[3]), actions["status"]
+    assert "1 running" in actions["status"].splitlines()[-1], actions["status"]
 
     rc, out = faults["runs"]["run2"]
     assert rc == 0, tail(out)
