@@ -26,7 +26,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "workflow" / "tokenmill"
 SHARED = {"contracts", "guards", "keys", "launch_flags", "layout", "settings", "model", "redaction",
           "engines", "jobs"}  # fmt: skip
 STAGES = {"prepare", "tokenization", "generate", "dataset", "provenance", "hidden_states"}
-TOP = {"cli", "config", "plan", "retire", "run_summary", "workflow_support", "__main__"}
+TOP = {"cli", "config", "plan", "retire", "run_summary", "status", "workflow_support", "__main__"}
 # The stages in the pipeline's order: a stage may import those before it, never one after it.
 STAGE_ORDER = ("prepare", "tokenization", "generate", "dataset", "hidden_states", "provenance")
 assert set(STAGE_ORDER) == STAGES

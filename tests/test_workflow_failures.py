@@ -284,3 +284,10 @@ def test_a_systemic_failure_stops_every_shard_of_the_run_after_one_batch(tmp_pat
     assert "HTTP 500" in last, last
     record = workdir / "journal/_jobs/generate/run_failure.json"
     assert json.loads(record.read_text())["identity"]["generation_fingerprint"]
+    # tokenmill status says it too, with every shard failed and why.
+    status = subprocess.run(
+        [str(BIN / "tokenmill"), "status", "--configfile", "systemic.yaml"],
+        cwd=workdir, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert status.returncode == 1, status.stdout + status.stderr
+    assert "3 failed" in status.stdout and "the run's generate jobs stop: " in status.stdout

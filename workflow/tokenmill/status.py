@@ -131,6 +131,14 @@ def collect(settings, now: float | None = None) -> list[ShardStatus]:
     ]
 
 
+def run_stopped(settings) -> str | None:
+    """The run-wide failure every generate job with this config stops on (jobs/harness.py)."""
+    from tokenmill.generate import failure
+
+    path = layout.Layout.of(settings).run_failure_record("generate")
+    return harness.shared_failure(path, failure.run_identity(settings.generation), ("", ""))
+
+
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     h, rem = divmod(seconds, 3600)
@@ -227,7 +235,11 @@ def main(argv: list[str]) -> int:
         return 1
     while True:
         rows = collect(settings)
-        print("\n".join(table_lines(rows) + ["", progress_line(rows)]), flush=True)
+        lines = table_lines(rows) + ["", progress_line(rows)]
+        stopped = run_stopped(settings)
+        if stopped:
+            lines.append(f"tokenmill: the run's generate jobs stop: {stopped}")
+        print("\n".join(lines), flush=True)
         if not args.watch:
             return 1 if any(r.state == "failed" for r in rows) else 0
         time.sleep(args.watch)
