@@ -378,22 +378,19 @@ class GpuJob:
                 deterministic = isinstance(exc, self.spec.deterministic)
                 self._end("failed", one_line(exc), deterministic=deterministic)
                 if deterministic and self.spec.identity is not None:
-                    FailureRecord(
-                        stage=self.spec.stage, category=self.spec.category,
-                        shard=self.spec.shard, identity=self.spec.identity,
-                        message=str(exc), time=now_iso(), attempt=self.attempt.id,
-                        slurm_job_id=self.attempt.slurm.job_id,
-                    ).write(self.failure_path)  # fmt: skip
+                    self._record_failure(exc, self.spec.identity, self.failure_path)
                 if isinstance(exc, self.spec.systemic) and self.spec.run_identity is not None:
-                    FailureRecord(
-                        stage=self.spec.stage, category=self.spec.category,
-                        shard=self.spec.shard, identity=self.spec.run_identity,
-                        message=str(exc), time=now_iso(), attempt=self.attempt.id,
-                        slurm_job_id=self.attempt.slurm.job_id,
-                    ).write(self.run_failure_path)  # fmt: skip
+                    self._record_failure(exc, self.spec.run_identity, self.run_failure_path)
         finally:
             self._release()
         return False
+
+    def _record_failure(self, exc: BaseException, identity: dict, path: Path) -> None:
+        FailureRecord(
+            stage=self.spec.stage, category=self.spec.category, shard=self.spec.shard,
+            identity=identity, message=str(exc), time=now_iso(), attempt=self.attempt.id,
+            slurm_job_id=self.attempt.slurm.job_id,
+        ).write(path)  # fmt: skip
 
     def _end(self, status: str, cause: str, deterministic: bool = False) -> None:
         self.attempt = self._snapshot(
