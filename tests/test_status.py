@@ -105,3 +105,24 @@ def test_status_names_a_failed_shard_and_its_cause(tmp_path):
     cause = after.stdout.split("failed shards:\n", 1)[1].splitlines()[0]
     assert cause.startswith("  chat/000: ") and "exited" in cause, after.stdout
     assert "1 failed" in after.stdout.splitlines()[-1]
+
+
+def test_journal_lines_are_counted_from_where_the_last_count_ended(tmp_path):
+    """The controller asks every minute: an append-only journal file is read from where the
+    last count ended; a file replaced under its name (compaction, migration) is recounted."""
+    from tokenmill import status
+
+    path = tmp_path / "000.host.1.2.jsonl"
+    path.write_bytes(b"a\tx\n" * 1000)
+    assert status._lines(path) == 1000
+    with open(path, "r+b") as f:  # bytes already counted: a re-read would see 3 lines more
+        f.write(b"\n\n\n\n")
+    with open(path, "ab") as f:
+        f.write(b"b\ty\n" * 5 + b"torn")
+    assert status._lines(path) == 1005  # only the appended bytes were read
+    replaced = tmp_path / "new"
+    replaced.write_bytes(b"c\n" * 3)
+    replaced.replace(path)  # another inode under the same name
+    assert status._lines(path) == 3
+    path.unlink()
+    assert status._lines(path) == 0 and str(path) not in status._COUNTED

@@ -14,6 +14,7 @@ A top-layer module, like run_summary.py.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -61,9 +62,29 @@ def _journaled(journal_dir: str, category: str, shard: str) -> int:
     return n + sum(_lines(p) for p in j.jsonl_files())
 
 
+# A journal file is append-only while its job runs: the controller's progress line, asked
+# every minute, reads only what was appended since (path -> (inode, bytes read, newlines)).
+_COUNTED: dict[str, tuple[int, int, int]] = {}
+
+
 def _lines(path: Path) -> int:
-    with open(path, "rb") as f:
-        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    """Newlines in `path`, reading only the bytes appended since the last call."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below; absent: compacted since listed
+    except FileNotFoundError:
+        _COUNTED.pop(str(path), None)
+        return 0
+    with f:
+        st = os.fstat(f.fileno())
+        inode, offset, n = _COUNTED.get(str(path), (st.st_ino, 0, 0))
+        if inode != st.st_ino or st.st_size < offset:  # another file under that name: recount
+            offset, n = 0, 0
+        f.seek(offset)
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            n += chunk.count(b"\n")
+            offset += len(chunk)
+    _COUNTED[str(path)] = (st.st_ino, offset, n)
+    return n
 
 
 def _ts(iso: str) -> float:
@@ -255,7 +276,6 @@ class Progress:
     closing summary; a failure to read never stops the run (the line is skipped)."""
 
     def __init__(self, settings, interval_s: float | None = None, out=None):
-        import os
         import threading
 
         env = os.environ.get("TOKENMILL_PROGRESS_S")
