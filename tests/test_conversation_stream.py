@@ -172,7 +172,7 @@ def test_generate_and_merge_write_a_conversation_shard_by_row_group(tmp_path, mo
         assert (res.kept, res.rejected) == (n, 0)
         return pq.ParquetFile(tmp_path / f"{name}.parquet")
 
-    monkeypatch.setattr(merge, "CONVERSATION_BATCH_ROWS", 50)
+    monkeypatch.setattr(merge, "BATCH_ROWS", 50)
     streamed = merged("streamed")
     assert streamed.num_row_groups > 3
     for i in range(streamed.num_row_groups):
@@ -180,7 +180,7 @@ def test_generate_and_merge_write_a_conversation_shard_by_row_group(tmp_path, mo
             streamed.read_row_group(i, columns=["input_ids"])[0].combine_chunks().offsets
         )
         assert lengths[:-1].sum() < 4096, (i, lengths)
-    monkeypatch.setattr(merge, "CONVERSATION_BATCH_ROWS", 1 << 30)
+    monkeypatch.setattr(merge, "BATCH_ROWS", 1 << 30)
     monkeypatch.setattr(contracts, "ROW_GROUP_TOKENS", 1 << 30)
     whole = merged("whole")
     assert whole.num_row_groups == 1
@@ -191,7 +191,7 @@ def test_generate_and_merge_write_a_conversation_shard_by_row_group(tmp_path, mo
 def test_merge_reads_a_non_prefix_exact_shard_in_token_bounded_batches(tmp_path, monkeypatch):
     """Turn rows of a template that is not prefix-exact hold their whole prompt (tokens grow
     with the square of the turns): merge's batches end at contracts.ROW_GROUP_TOKENS tokens, not
-    only at CONVERSATION_BATCH_ROWS rows, and the rows and loss-token counts are those of a
+    only at BATCH_ROWS rows, and the rows and loss-token counts are those of a
     merge that reads the shard in one piece."""
     from tokenmill.dataset import draft_vocab
 
@@ -223,13 +223,13 @@ def test_merge_reads_a_non_prefix_exact_shard_in_token_bounded_batches(tmp_path,
         for conv in [pq.read_table(generated).column("turn_prompt_ids").to_pylist()[i : i + 8]
                      for i in range(0, 320, 8)]
     )  # fmt: skip
-    # two passes (validation, rows) over the same batches: each below the bound plus one
-    # conversation, and more than one batch
+    # one pass (validation and rows together) in batches of whole conversations: each below
+    # the bound plus one conversation, and more than one batch
     assert len(batch_tokens) > 4 and max(batch_tokens) < 4096 + longest, batch_tokens
     monkeypatch.setattr(contracts, "ROW_GROUP_TOKENS", 1 << 30)
     batch_tokens.clear()
     whole, whole_counts = merged("whole")
-    assert len(batch_tokens) == 2  # one batch, read twice
+    assert len(batch_tokens) == 1  # one batch, read once
     assert streamed.equals(whole) and streamed_counts.equals(whole_counts)
     counts, rows = draft_vocab.count_dataset(tmp_path / "whole.parquet", 2048, batch_size=7)
     assert rows == 320 and int(counts.sum()) == int(

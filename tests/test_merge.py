@@ -490,7 +490,7 @@ def _big_shard(tmp_path: Path, order: str):
 # flight) wrote for _big_shard, in either order: the output must not change by a byte. They
 # depend on the pyarrow version that writes them: recompute them with e3f0490's merge.py.
 _BIG_SHARD_SHA = {
-    "out": "602125267419ff291b459bab214b87538df4c00024dc12eda848502dcf9264e8",
+    "out": "5cfb86dc10981ccd8073a4beecbdf3d2f1984a118c666a124d16366576dc47fd",
     "rej": "037f4e478f96ce03f3cac2dadd64912a5a02593bb5919c32a39e4ffca775b318",
     "token_counts": "a12220d7cd592ef47b998e419ac38e263cfcc0eca71727cbce3d017eb5864e68",
     "export": "77ba05fcb40d8cd84ccc7561d8c2cfa21dd4cd7d1f9cf50f1a6775272e181bb0",
@@ -551,3 +551,116 @@ def test_long_outputs_are_merged_into_token_bounded_row_groups(tmp_path, monkeyp
     assert pq.read_table(out).equals(pq.read_table(out_whole))
     assert pq.read_table(rej).equals(pq.read_table(rej_whole))
     assert contracts.read_metadata(out) == contracts.read_metadata(out_whole)
+
+
+def turn_row(pid, turn, prompt, output, exact, finish="stop"):
+    """A GENERATED_TURNS row: a turn of conversation `pid`, sent `prompt`."""
+    row = gen_row(pid, prompt, output, finish=finish)
+    row.update(turn=turn, turn_prompt_ids=prompt, prefix_exact=exact, conversation_end="complete")
+    return row
+
+
+def test_conversation_turns_go_through_the_prompt_path(tmp_path):
+    """A conversation shard is merged by the same pass as a prompt shard: every turn validated
+    alone, a conversation kept up to its first invalid turn (later ones rejected as built on
+    it), a prefix-exact conversation folded into one row; counted in conversations (with each
+    rejected one's reason) and in turns, and the loss-token counts are those of the rows."""
+    from tokenmill.dataset import draft_vocab, stats
+
+    p_a0, o_a0 = [5, 6], [7, 2]
+    p_a1, o_a1 = p_a0 + o_a0 + [8], [9, 2]
+    p_a2, o_a2 = p_a1 + o_a1 + [10], [3, 11, 4, 12, 2]
+    rows = [
+        # a: prefix-exact, three valid turns -> one row
+        turn_row("a", 0, p_a0, o_a0, True),
+        turn_row("a", 1, p_a1, o_a1, True),
+        turn_row("a", 2, p_a2, o_a2, True),
+        # b: turn 1 has no stop token -> turn 0 kept, turn 2 built on turn 1
+        turn_row("b", 0, [6], [7, 2], False),
+        turn_row("b", 1, [6, 7, 2, 8], [9, 9], False),
+        turn_row("b", 2, [6, 7, 2, 8, 9, 2, 10], [11, 2], False),
+        # c: turn 0 truncated -> nothing kept
+        turn_row("c", 0, [7], [8, 9], False, finish="length"),
+        turn_row("c", 1, [7, 8, 9, 10], [11, 2], False),
+        # d: turn 0 given twice -> both duplicates, turn 1 built on them
+        turn_row("d", 0, [8], [9, 2], True),
+        turn_row("d", 0, [8], [10, 2], True),
+        turn_row("d", 1, [8, 9, 2, 11], [12, 2], True),
+        # zz: a conversation the tokenized shard does not have
+        turn_row("zz", 0, [9], [9, 2], False),
+        turn_row("zz", 1, [9, 9, 2, 5], [6, 2], False),
+    ]
+    tok, gen = tmp_path / "tok.parquet", tmp_path / "gen.parquet"
+    write_tokenized(tok, {"a": p_a0, "b": [6], "c": [7], "d": [8], "e": [9], "f": [10]})
+    cols = {name: [r.get(name) for r in rows] for name in contracts.GENERATED_TURNS.names}
+    meta = {
+        contracts.META_GENERATION_FINGERPRINT: FP,
+        contracts.META_CONTEXT: contracts.CONTEXT_REGENERATED,
+    }
+    contracts.write_table(
+        pa.table(cols, schema=contracts.GENERATED_TURNS), gen, contracts.GENERATED_TURNS,
+        "generate", meta,
+    )  # fmt: skip
+    gen_rej = tmp_path / "genrej.parquet"
+    contracts.write_table(
+        contracts.rejected_table(
+            [{"stage": "generate", "category": "chat", "reason": "engine_error", "prompt_id": "f"}]
+        ),
+        gen_rej, contracts.REJECTED, "generate",
+    )  # fmt: skip
+    out, rej, counts = tmp_path / "out.parquet", tmp_path / "rej.parquet", tmp_path / "c.parquet"
+    res = merge.merge_shard(
+        tok, gen, out, rej, rules(max_sequence_tokens=64), FP, "chat", "000",
+        generate_rejected=gen_rej, counts_out=counts,
+    )  # fmt: skip
+
+    data = {r["prompt_id"]: r for r in pq.read_table(out).to_pylist()}
+    assert list(data) == ["a", "b"]
+    a = data["a"]
+    assert a["input_ids"] == p_a2 + o_a2
+    expected_mask = [0] * len(p_a2) + [1] * len(o_a2)
+    for p, o in ((p_a0, o_a0), (p_a1, o_a1)):
+        expected_mask[len(p) : len(p) + len(o)] = [1] * len(o)
+    assert a["loss_mask"] == expected_mask
+    assert a["num_output_tokens"] == 9 and a["num_prompt_tokens"] == len(p_a2) + 5 - 9
+    assert (a["num_reasoning_tokens"], a["num_answer_tokens"]) == (3, 6)
+    assert data["b"]["input_ids"] == [6, 7, 2]
+
+    rejected = {(r["prompt_id"], json.loads(r["record"]).get("turn"), r["reason"], r["detail"])
+                for r in pq.read_table(rej).to_pylist()}  # fmt: skip
+    assert ("b", 2, "missing_stop_token", "built on turn 1, which was rejected "
+            "(missing_stop_token)") in rejected  # fmt: skip
+    assert ("c", 1, "truncated", "built on turn 0, which was rejected (truncated)") in rejected
+    assert {(p, t, r) for p, t, r, _ in rejected} == {
+        ("b", 1, "missing_stop_token"), ("b", 2, "missing_stop_token"),
+        ("c", 0, "truncated"), ("c", 1, "truncated"),
+        ("d", 0, "duplicate_prompt_id"), ("d", 1, "duplicate_prompt_id"),
+        ("zz", 0, "unknown_prompt_id"), ("zz", 1, "unknown_prompt_id"),
+        ("e", None, "not_generated"),
+    }  # fmt: skip
+    assert len(pq.read_table(rej)) == 10  # d's turn 0 twice
+    assert (res.kept, res.rejected, res.not_generated, res.generate_rejected) == (2, 10, 1, 1)
+
+    m = contracts.read_metadata(out)
+    # conversations: a, b, c, d, zz generated + e not generated = a, b kept + 4 rejected
+    assert [m[k] for k in contracts.MERGE_COUNT_KEYS] == ["6", "2", "4"]
+    assert json.loads(m[contracts.META_RECORD_REASONS]) == {
+        "duplicate_prompt_id": 1, "not_generated": 1, "truncated": 1, "unknown_prompt_id": 1,
+    }  # fmt: skip
+    # turns: 13 generated = 4 kept (a's three, b's first) + 9 rejected
+    assert [m[k] for k in contracts.TURN_COUNT_KEYS] == ["13", "4", "9"]
+    assert (m[contracts.META_CONVERSATION_SAMPLES], m[contracts.META_TURN_SAMPLES]) == ("1", "1")
+    assert m[contracts.META_CONTEXT] == contracts.CONTEXT_REGENERATED
+
+    loss_counts = draft_vocab.read_counts(counts)
+    assert contracts.read_metadata(counts)[contracts.META_ROWS] == "2"
+    assert {i: int(c) for i, c in enumerate(loss_counts) if c} == python_loss_counts(out)
+
+    # stats counts the stage in conversations, with each rejected one's reason
+    stage = stats._stage([out], [rej])
+    assert (stage["in"], stage["kept"], stage["rejected"]) == (6, 2, 4)
+    assert stage["reasons"] == json.loads(m[contracts.META_RECORD_REASONS])
+    # a rejected row lost is a conservation problem, not taken on trust from the metadata
+    pq.write_table(pq.read_table(rej).slice(1), tmp_path / "short.parquet")
+    short = stats._stage([out], [tmp_path / "short.parquet"])
+    assert short["kept"] + short["rejected"] != short["in"]

@@ -73,7 +73,11 @@ META_JOURNAL_DUPLICATES = "tokenmill.journal_duplicates"
 META_NOT_GENERATED = "tokenmill.not_generated"
 META_GENERATE_REJECTED = "tokenmill.generate_rejected"
 META_TOKENIZED_ROWS = "tokenmill.tokenized_rows"
-# merge, context: regenerated: turn rows (in = kept + rejected) and samples by kind
+# merge: the reasons of the rejected records, JSON {reason: records} (its rejected file has a row
+# per rejected turn; a record's reason is that of its first rejected turn)
+META_RECORD_REASONS = "tokenmill.record_reasons"
+# merge: turn rows (in = kept + rejected; a prompt shard's rows are one-turn records) and
+# samples by kind (conversation: a prefix-exact conversation folded into one row)
 META_TURNS_IN = "tokenmill.turns_in"
 META_TURNS_KEPT = "tokenmill.turns_kept"
 META_TURNS_REJECTED = "tokenmill.turns_rejected"
@@ -388,7 +392,10 @@ class ParquetWriter:
         self._writer = pq.ParquetWriter(self._tmp, self.schema, **WRITER_OPTIONS)
         self.rows = 0
 
-    def write(self, data: pa.Table | pa.RecordBatch) -> None:
+    def write(self, data: pa.Table | pa.RecordBatch, one_row_group: bool = False) -> None:
+        """Write `data` cut into row groups by row_group_ends, or as one row group
+        (`one_row_group`: a caller that bounds its batches itself, such as merge, whose batches
+        end with a whole conversation)."""
         if isinstance(data, pa.RecordBatch):
             data = pa.Table.from_batches([data])
         data = data.select(self.schema.names).cast(self.schema.remove_metadata())
@@ -396,7 +403,10 @@ class ParquetWriter:
         if data.num_rows == 0:  # an empty row group, as pyarrow writes one
             self._writer.write_table(data, row_group_size=ROW_GROUP_SIZE)
         start = 0
-        for end in row_group_ends(row_tokens(data)):  # one row group each
+        ends = (
+            [data.num_rows] if one_row_group and data.num_rows else row_group_ends(row_tokens(data))
+        )
+        for end in ends:  # one row group each
             self._writer.write_table(data.slice(start, end - start), row_group_size=end - start)
             start = end
         self.rows += data.num_rows

@@ -10,14 +10,21 @@ up to and including the first dataset.think_end_token / the rest; an output that
 thinking block that was open is all reasoning (validate.unterminated); null when think_end_token
 is null), num_total_tokens, finish_type.
 
+Prompt and conversation shards (`context: regenerated`, docs/multi-turn.md) take one path: the
+generated rows are turns of records (_Turns). A prompt shard's rows are records of one turn,
+sent their tokenized prompt; a conversation shard's rows are the turns of its conversations,
+each sent its own turn_prompt_ids. A record keeps its turns up to the first invalid one, and a
+prefix-exact conversation's kept turns fold into one row (loss_mask 1 over every turn's output).
+
 Rows that fail validation (validate.py, one reason code each), duplicate and unknown generated
 rows, and tokenized prompts that were neither generated nor rejected by generate
 (`not_generated`) go to results/rejected/merge/{category}/{shard}.parquet. The rejected row's
 `record` holds the sample's scalar fields as canonical JSON (the tokens stay in the generated
 shard). Conservation, checked on every run (the command fails with the counts otherwise):
 
-    tokenized prompts = dataset rows + distinct tokenized prompts rejected by merge
-                        + prompts rejected by generate (--generate-rejected)
+    tokenized prompts = kept prompts (with a dataset row) + distinct tokenized prompts
+                        rejected by merge and not kept + prompts rejected by generate
+                        (--generate-rejected)
 
 With `counts_out` (`--counts-out`, the `merge_shard` rule always gives it), the same pass also
 counts the loss-masked tokens of the kept rows (loss_mask = 1 is exactly the output part, so
@@ -27,14 +34,17 @@ shards it re-merges. With dataset.max_train_length L, only the ids in the first 
 each row (prompt + output) are counted: the trainers cut rows to their sequence length first.
 
 File key-value metadata (the counts are added at close; read them with
-contracts.read_metadata): tokenmill.records_in (generated rows + not_generated prompts, i.e.
+contracts.read_metadata): tokenmill.records_in (generated records + not_generated prompts, i.e.
 everything merge accounts for), records_kept, records_rejected (in = kept + rejected),
-tokenmill.not_generated, tokenmill.generate_rejected, tokenmill.tokenized_rows, and the tokenizer
-and generation fingerprints carried over from the input shards.
+tokenmill.record_reasons (each rejected record's reason), tokenmill.turns_in/_kept/_rejected
+(generated rows), tokenmill.conversation_samples / turn_samples (rows folded from a
+conversation / rows of one turn), tokenmill.not_generated, tokenmill.generate_rejected,
+tokenmill.tokenized_rows, the context (if any) and the tokenizer and generation fingerprints
+carried over from the input shards.
 
-Everything is vectorized over flattened token arrays and streamed in one pass, in batches that
-end at contracts.ROW_GROUP_SIZE rows or with the row that brings them to
-contracts.ROW_GROUP_TOKENS prompt + output tokens (contracts.row_group_ends; the output lengths
+Everything is vectorized over flattened token arrays and streamed in one pass, in batches of
+whole records that end at contracts.ROW_GROUP_SIZE rows or with the record that brings them to
+contracts.ROW_GROUP_TOKENS prompt + output tokens (_record_batches; the output lengths
 come from a first pass over the generated shard's output_ids, READ_ROWS rows at a time). Each
 batch's kept rows are one output row group. Input row groups (token-bounded the same way by the
 stages that write them) are read when a batch first needs them and dropped after the last batch
@@ -70,8 +80,6 @@ READ_ROWS = 1024  # rows an input list column is decoded at a time (_RowGroupCol
 # memory follow output length.
 OVERLAP_BYTES = 32 << 20
 COUNT_VALUES = 1 << 20  # output ids per np.bincount of the token counts
-# Generated turn rows of whole conversations read at a time by merge_conversation_shard.
-CONVERSATION_BATCH_ROWS = READ_ROWS
 
 
 ConservationError = contracts.ConservationError  # the counts of a shard do not add up
@@ -255,6 +263,80 @@ def _read_scalar(path, columns) -> pa.Table:
     return pq.ParquetFile(path, memory_map=True).read(columns=columns)
 
 
+def _record_batches(tokens: np.ndarray, record: np.ndarray, max_rows: int) -> list[int]:
+    """Where the batches of sorted candidate rows end (exclusive): contracts.row_group_ends
+    over whole records (a record's rows are contiguous), so that a batch holds every turn of
+    each of its records. A batch ends at `max_rows` rows (or after one record, if that alone is
+    more) or with the record that brings it to contracts.ROW_GROUP_TOKENS tokens; a prompt
+    shard's records are single rows, so its batches are row_group_ends' own."""
+    n = len(tokens)
+    if n == 0:
+        return []
+    starts = np.flatnonzero(np.r_[True, record[1:] != record[:-1]])
+    bounds = np.r_[starts, n]
+    cum_tokens = np.cumsum(np.add.reduceat(np.asarray(tokens, np.int64), starts))
+    cum_rows = bounds[1:]  # rows up to and including each record
+    ends, first, base_tokens, base_rows = [], 0, 0, 0
+    while first < len(starts):
+        over = int(np.searchsorted(cum_tokens, base_tokens + contracts.ROW_GROUP_TOKENS, "left"))
+        fit = int(np.searchsorted(cum_rows, base_rows + max_rows, "right"))
+        last = max(first + 1, min(fit, over + 1, len(starts)))
+        ends.append(int(bounds[last]))
+        base_tokens, base_rows, first = int(cum_tokens[last - 1]), int(cum_rows[last - 1]), last
+    return ends
+
+
+@dataclass
+class _Turns:
+    """The generated rows of one shard as turns of records (docs/multi-turn.md), with the
+    prompt each turn was sent. A prompt shard's rows are records of one turn each, sent their
+    tokenized prompt (`prompt_ids` of the tokenized shard); a conversation shard's rows
+    (contracts.GENERATED_TURNS) are the turns of the conversation their prompt_id names, each
+    sent its own `turn_prompt_ids`, and a prefix-exact conversation's kept turns fold into one
+    dataset row. Arrays are per generated row."""
+
+    pid: np.ndarray  # object: prompt_id
+    key: np.ndarray  # object: sample_key
+    finish: np.ndarray  # object: finish_type
+    matched: list  # finish_matched_id
+    turn: np.ndarray  # int64, 0 for a prompt shard
+    fold: np.ndarray  # bool: the record's kept turns become one row (prefix-exact)
+    record: np.ndarray  # int64: the record each row belongs to
+    has_turns: bool  # the shard is a conversation shard (rows name their turn)
+    prompt_file: str | os.PathLike
+    prompt_column: str
+    scalars: pa.Table  # prompt_id, sample_key, finish_type (the dataset row's own columns)
+
+    @classmethod
+    def read(cls, tokenized, generated) -> _Turns:
+        names = pq.ParquetFile(generated).schema_arrow.names
+        has_turns = "turn_prompt_ids" in names
+        scalar_cols = ["prompt_id", "sample_key", "finish_type", "finish_matched_id"]
+        gen = _read_scalar(generated, scalar_cols + (["turn", "prefix_exact"] if has_turns else []))
+        gen = gen.combine_chunks()
+        n = gen.num_rows
+        pid = gen.column("prompt_id").to_numpy(zero_copy_only=False)
+        if has_turns:
+            turn = gen.column("turn").to_numpy(zero_copy_only=False).astype(np.int64)
+            fold = gen.column("prefix_exact").to_numpy(zero_copy_only=False).astype(bool)
+            record = np.unique(pid, return_inverse=True)[1].astype(np.int64) if n else turn
+        else:
+            turn, fold, record = np.zeros(n, np.int64), np.zeros(n, bool), np.arange(n)
+        return cls(
+            pid=pid,
+            key=gen.column("sample_key").to_numpy(zero_copy_only=False),
+            finish=gen.column("finish_type").to_numpy(zero_copy_only=False),
+            matched=gen.column("finish_matched_id").to_pylist(),
+            turn=turn,
+            fold=fold,
+            record=record,
+            has_turns=has_turns,
+            prompt_file=generated if has_turns else tokenized,
+            prompt_column="turn_prompt_ids" if has_turns else "prompt_ids",
+            scalars=gen.select(["prompt_id", "sample_key", "finish_type"]),
+        )
+
+
 def merge_shard(
     tokenized: str | os.PathLike,
     generated: str | os.PathLike,
@@ -268,60 +350,57 @@ def merge_shard(
     counts_out: str | os.PathLike | None = None,
     count_max_length: int | None = None,
 ) -> MergeResult:
-    """Merge one shard; raises ConservationError when the counts do not add up. With
-    `counts_out`, also writes the loss-token counts of the kept rows there; with
-    `count_max_length` (dataset.max_train_length), only those in the first that many positions
-    of each row (the trainers' cut)."""
-    if contracts.read_metadata(generated).get(contracts.META_CONTEXT) == "regenerated":
-        res = merge_conversation_shard(
-            tokenized, generated, out, rejected, rules, generation_fp, category, shard,
-            generate_rejected,
-        )  # fmt: skip
-        if counts_out:  # conversation shards are small: counted from the written rows
-            counts, rows = draft_vocab.count_dataset(
-                out, rules.vocab_size, max_length=count_max_length
-            )
-            draft_vocab.write_counts(
-                counts_out, counts, rows, category=category, shard=shard,
-                max_length=count_max_length,
-            )  # fmt: skip
-        return res
+    """Merge one shard, prompt or conversation shard alike (_Turns); raises ConservationError
+    when the counts do not add up. With `counts_out`, also writes the loss-token counts of the
+    kept rows there; with `count_max_length` (dataset.max_train_length), only those in the
+    first that many positions of each row (the trainers' cut).
+
+    Every generated row (a turn) is validated alone; a record keeps its turns up to the first
+    invalid one (later turns were built on it and are rejected with the same reason). Each kept
+    turn is a dataset row, except that a prefix-exact conversation's kept turns fold into ONE
+    row, its last kept turn's prompt + output with loss_mask 1 over every kept turn's output.
+    Counted in records (records_*: in = records generated + not_generated = kept, those with a
+    dataset row, + rejected, those without; record_reasons: the reason of each rejected
+    record's first rejected turn) and in turns (turns_*: generated rows = kept + rejected)."""
     res = MergeResult()
     tok = _read_scalar(tokenized, ["prompt_id", "num_prompt_tokens"])
-    gen = _read_scalar(generated, ["prompt_id", "sample_key", "finish_type", "finish_matched_id"])
-    tok_pid, gen_pid = tok.column("prompt_id"), gen.column("prompt_id")
-    gen_scalars = gen.select(["prompt_id", "sample_key", "finish_type"]).combine_chunks()
-    res.tokenized, res.generated = tok.num_rows, gen.num_rows
+    turns = _Turns.read(tokenized, generated)
+    tok_pid = tok.column("prompt_id").combine_chunks()
+    res.tokenized, res.generated = tok.num_rows, len(turns.pid)
     if pc.count_distinct(tok_pid).as_py() != tok.num_rows:
         raise ConservationError(f"{tokenized}: prompt_id is not unique in the tokenized shard")
 
-    # Join generated rows to tokenized rows.
-    tok_index = pc.index_in(gen_pid, value_set=tok_pid.combine_chunks())
+    # Join generated rows to tokenized rows; a turn given twice is a duplicate (both rows).
+    gen_pid = pa.array(turns.pid, pa.string())
+    tok_index = pc.index_in(gen_pid, value_set=tok_pid)
     known = tok_index.is_valid().to_numpy(zero_copy_only=False)
     tidx = tok_index.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
-    per_prompt = np.bincount(tidx[known], minlength=tok.num_rows)
-    dup = known & (per_prompt[np.where(known, tidx, 0)] > 1)
+    turn_id = tidx * (int(turns.turn.max(initial=0)) + 1) + turns.turn
+    _, inverse, counts = np.unique(turn_id, return_inverse=True, return_counts=True)
+    given = counts[inverse.reshape(-1)]  # how many rows give each row's turn
+    dup = known & (given > 1)
 
-    gen_rej_pids = _generate_rejected(generate_rejected)
-    res.generate_rejected = len(gen_rej_pids)
-    tok_gen_rejected = pc.is_in(tok_pid, value_set=gen_rej_pids).to_numpy(zero_copy_only=False)
-    not_generated = np.flatnonzero((per_prompt == 0) & ~tok_gen_rejected)
-
-    rejects = _Rejects(category, shard)
-    gen_pid_np = gen_pid.to_numpy(zero_copy_only=False)
-    gen_key_np = gen.column("sample_key").to_numpy(zero_copy_only=False)
-    finish_np = gen.column("finish_type").to_numpy(zero_copy_only=False)
-    matched_np = gen.column("finish_matched_id").to_pylist()
+    tok_gen_rejected = pc.is_in(tok_pid, value_set=_generate_rejected(generate_rejected))
+    tok_gen_rejected = tok_gen_rejected.to_numpy(zero_copy_only=False)
+    res.generate_rejected = int(tok_gen_rejected.sum())
+    asked = np.zeros(tok.num_rows, bool)
+    asked[tidx[known]] = True
+    not_generated = np.flatnonzero(~asked & ~tok_gen_rejected)
     tok_pid_np = tok_pid.to_numpy(zero_copy_only=False)
     tok_counts = tok.column("num_prompt_tokens").to_numpy(zero_copy_only=False)
 
+    rejects = _Rejects(category, shard)
+    record_reasons: collections.Counter = collections.Counter()
+
     def gen_record(g, **extra):
         rec = {
-            "prompt_id": gen_pid_np[g],
-            "sample_key": gen_key_np[g],
-            "finish_type": finish_np[g],
-            "finish_matched_id": matched_np[g],
+            "prompt_id": turns.pid[g],
+            "sample_key": turns.key[g],
+            "finish_type": turns.finish[g],
+            "finish_matched_id": turns.matched[g],
         }
+        if turns.has_turns:
+            rec["turn"] = int(turns.turn[g])
         rec.update(extra)
         return rec
 
@@ -332,8 +411,8 @@ def merge_shard(
         for i in np.flatnonzero(reason >= 0):
             code, g = REASONS[reason[i]], gi[i]
             ctx = {
-                "count": int(per_prompt[tidx[g]]),
-                "got": gen_key_np[g],
+                "count": int(given[g]),
+                "got": turns.key[g],
                 "expected": expected[i],
                 "output": int(o_len[i]),
                 "vocab": rules.vocab_size,
@@ -344,40 +423,52 @@ def merge_shard(
                 "limit": rules.max_sequence_tokens,
             }
             record = gen_record(g, num_prompt_tokens=int(p_len[i]), num_output_tokens=int(o_len[i]))
-            rejects.add(code, gen_pid_np[g], validate.describe(code, **ctx), record)
+            rejects.add(code, turns.pid[g], validate.describe(code, **ctx), record)
 
-    for g in np.flatnonzero(~known):
+    unknown = np.flatnonzero(~known)
+    for g in unknown:
         rejects.add(
             "unknown_prompt_id",
-            gen_pid_np[g],
+            turns.pid[g],
             validate.describe("unknown_prompt_id"),
             gen_record(g),
         )
+    record_reasons["unknown_prompt_id"] += len(np.unique(turns.record[unknown]))
     for t in not_generated:
         rejects.not_generated(
             tok_pid_np[t], {"prompt_id": tok_pid_np[t], "num_prompt_tokens": int(tok_counts[t])}
         )
     res.not_generated = len(not_generated)
+    record_reasons["not_generated"] += res.not_generated
 
-    # Candidates: generated rows whose prompt is known, in prompt_id order (duplicates
-    # included: validation rejects them with their own reason).
+    # Candidates: generated rows whose prompt is known, in (prompt_id, turn, sample_key) order
+    # (duplicates included: validation rejects them with their own reason), so a record's turns
+    # are contiguous and in order.
     cand = np.flatnonzero(known)
-    cand_pid = pa.array(gen_pid_np[cand], pa.string())
     order = pc.sort_indices(
-        pa.table({"p": cand_pid, "k": pa.array(gen_key_np[cand], pa.string())}),
-        sort_keys=[("p", "ascending"), ("k", "ascending")],
+        pa.table(
+            {
+                "p": gen_pid.take(pa.array(cand)),
+                "t": pa.array(turns.turn[cand]),
+                "k": pa.array(turns.key[cand], pa.string()),
+            }
+        ),
+        sort_keys=[("p", "ascending"), ("t", "ascending"), ("k", "ascending")],
     ).to_numpy()
     cand = cand[order]
-    # A batch (and the output row group it becomes) ends at BATCH_ROWS candidates or with the
-    # one that brings it to contracts.ROW_GROUP_TOKENS prompt + output tokens: the working set
-    # is one bounded batch whatever the output length. Its kept rows hold no more tokens than
-    # its candidates, so the writer cuts them into the same single row group.
-    cand_tokens = (
-        tok_counts[tidx[cand]].astype(np.int64) + _list_lengths(generated, "output_ids")[cand]
-    )
-    ends = contracts.row_group_ends(cand_tokens, BATCH_ROWS)
+    # A batch (and the output row group it becomes) holds whole records and ends at BATCH_ROWS
+    # candidates or with the record that brings it to contracts.ROW_GROUP_TOKENS prompt +
+    # output tokens (_record_batches): the working set is one bounded batch whatever the output
+    # length or the number of turns. Its kept rows are one row group (they hold no more tokens
+    # than its candidates; cut by rows alone, a conversation would end in a tiny row group).
+    if turns.has_turns:
+        prompt_tokens = _list_lengths(generated, turns.prompt_column)[cand]
+    else:
+        prompt_tokens = tok_counts[tidx[cand]].astype(np.int64)
+    cand_tokens = prompt_tokens + _list_lengths(generated, "output_ids")[cand]
+    ends = _record_batches(cand_tokens, turns.record[cand], BATCH_ROWS)
     batches_g = [cand[a:b] for a, b in zip([0, *ends], ends, strict=False)]
-    batches_t = [tidx[b] for b in batches_g]
+    prompt_rows = [b if turns.has_turns else tidx[b] for b in batches_g]
 
     # One pass: every batch is read once, validated, and its kept rows built and handed to a
     # writer thread (pyarrow encodes and compresses with the GIL released), which overlaps with
@@ -385,38 +476,42 @@ def merge_shard(
     # metadata at close, and a conservation failure aborts the writer, so no output appears.
     tok_meta = contracts.read_metadata(tokenized)
     gen_meta = contracts.read_metadata(generated)
-    meta = _file_meta(
-        category,
-        shard,
-        {
-            contracts.META_GENERATION_FINGERPRINT: gen_meta.get(
-                contracts.META_GENERATION_FINGERPRINT, generation_fp
-            )
-        },
+    meta = _file_meta(category, shard)
+    if contracts.META_CONTEXT in gen_meta:
+        meta[contracts.META_CONTEXT] = gen_meta[contracts.META_CONTEXT]
+    meta[contracts.META_GENERATION_FINGERPRINT] = gen_meta.get(
+        contracts.META_GENERATION_FINGERPRINT, generation_fp
     )
     if contracts.META_TOKENIZER_FINGERPRINT in tok_meta:
         meta[contracts.META_TOKENIZER_FINGERPRINT] = tok_meta[contracts.META_TOKENIZER_FINGERPRINT]
     # Validation has checked every kept id against [0, vocab_size): bincount needs no check.
     token_counts = np.zeros(rules.vocab_size if counts_out else 0, dtype=np.int64)
-    prompts_col = _RowGroupColumn(tokenized, "prompt_ids", batches_t)
+    prompts_col = _RowGroupColumn(turns.prompt_file, turns.prompt_column, prompt_rows)
     outputs_col = _RowGroupColumn(generated, "output_ids", batches_g)
+    records_kept = partly_kept = folded_rows = turns_kept = 0
     with (
         contracts.ParquetWriter(out, contracts.DATASET, "merge", meta) as writer,
         ThreadPoolExecutor(max_workers=1) as write_pool,
     ):
         pending = None
-        for b, (gi, ti) in enumerate(zip(batches_g, batches_t, strict=True)):
-            p_arr, o_arr = prompts_col.take(ti, b), outputs_col.take(gi, b)
+        for b, (gi, pi) in enumerate(zip(batches_g, prompt_rows, strict=True)):
+            p_arr, o_arr = prompts_col.take(pi, b), outputs_col.take(gi, b)
             p_val, p_off = contracts.list_arrays(p_arr)
             o_val, o_off = contracts.list_arrays(o_arr)
             expected = np.array(keys.sample_keys(generation_fp, (p_val, p_off)), dtype=object)
-            key_ok = expected == gen_key_np[gi]
+            key_ok = expected == turns.key[gi]
             reason = validate.validate(
-                rules, p_val, p_off, o_val, o_off, finish_np[gi], key_ok, dup[gi]
+                rules, p_val, p_off, o_val, o_off, turns.finish[gi], key_ok, dup[gi]
             )
             reject_invalid(gi, reason, expected, p_off, o_off, o_val)
-            ok = reason < 0
-            res.kept += int(ok.sum())
+            ok = _cut_after_first_invalid(gi, reason, turns, rejects)
+            starts = np.flatnonzero(np.r_[True, turns.record[gi[1:]] != turns.record[gi[:-1]]])
+            any_ok = np.logical_or.reduceat(ok, starts)
+            records_kept += int(any_ok.sum())
+            partly_kept += int((any_ok & ~np.logical_and.reduceat(ok, starts)).sum())
+            for s in starts[~any_ok]:  # a record without a kept turn: its first turn's reason
+                record_reasons[REASONS[reason[s]]] += 1
+            turns_kept += int(ok.sum())
             if not ok.any():
                 continue
             if not ok.all():  # the unfiltered arrays are released here
@@ -425,6 +520,8 @@ def merge_shard(
                 p_val, p_off = contracts.list_arrays(p_arr)
                 o_val, o_off = contracts.list_arrays(o_arr)
             if counts_out:
+                # every kept turn's output is under the loss mask of exactly one dataset row,
+                # at the same positions (a folded turn's prompt + output opens its row)
                 counted = o_val
                 if count_max_length is not None:
                     window = draft_vocab.output_window(o_off, np.diff(p_off), count_max_length)
@@ -435,36 +532,60 @@ def merge_shard(
                         counted[lo : lo + COUNT_VALUES], minlength=rules.vocab_size
                     )
                 del counted
-            table = _dataset_batch(p_off, p_val, o_off, o_val, gi[ok], gen_scalars, category, rules)
+            table, folded = _dataset_batch(
+                p_off, p_val, o_off, o_val, gi[ok], turns, category, rules
+            )
+            folded_rows += folded
+            res.kept += table.num_rows
             del p_arr, o_arr, p_val, o_val  # the batch's inputs, before its write
             if pending is not None:
                 pending.result()
-            pending = write_pool.submit(writer.write, table)
+            pending = write_pool.submit(writer.write, table, one_row_group=True)
             if table.nbytes > OVERLAP_BYTES:
                 pending.result()
             del table
         if pending is not None:
             pending.result()
         del prompts_col, outputs_col
+        # no rows: a file without row groups (Hugging Face datasets cannot read an empty one)
 
         res.reasons, res.rejected = rejects.reasons(), len(rejects.rows)
         what = f"merge {category}/{shard}"
+        # a tokenized prompt is kept (a dataset row), or rejected by merge (rejected rows and
+        # none kept) or by generate
         _check_tokenized(
-            what, res.tokenized, res.kept, len(rejects.tokenized_prompts()),
+            what, res.tokenized, records_kept, len(rejects.tokenized_prompts()) - partly_kept,
             res.generate_rejected, res.generated,
         )  # fmt: skip
+        records_in = len(np.unique(turns.record)) + res.not_generated
+        turns_rejected = res.rejected - res.not_generated
         writer.add_metadata(
             {
+                # records: in = kept (a dataset row) + rejected (none)
                 **contracts.count_metadata(
-                    res.generated + res.not_generated,
-                    res.kept,
-                    res.rejected,
+                    records_in,
+                    records_kept,
+                    records_in - records_kept,
                     what=what,
                     keys=contracts.MERGE_COUNT_KEYS,
                 ),  # fmt: skip
+                contracts.META_RECORD_REASONS: contracts.canonical_json(
+                    dict(sorted((k, v) for k, v in record_reasons.items() if v))
+                ),
                 contracts.META_NOT_GENERATED: res.not_generated,
                 contracts.META_GENERATE_REJECTED: res.generate_rejected,
                 contracts.META_TOKENIZED_ROWS: res.tokenized,
+                # turns: generated rows = kept (under the loss mask) + rejected
+                **contracts.count_metadata(
+                    res.generated,
+                    turns_kept,
+                    turns_rejected,
+                    what=f"{what} turns",
+                    keys=contracts.TURN_COUNT_KEYS,
+                ),  # fmt: skip
+                # samples (rows): one per folded (prefix-exact) record, one per turn otherwise
+                contracts.META_CONVERSATION_SAMPLES: folded_rows,
+                contracts.META_TURN_SAMPLES: res.kept - folded_rows,
             }
         )
 
@@ -474,261 +595,78 @@ def merge_shard(
             max_length=count_max_length,
         )  # fmt: skip
     rejects.rows.sort(key=lambda r: (r["prompt_id"] or "", r["reason"], r["record"] or ""))
-    rejects.write(rejected, _file_meta(category, shard))
+    rejects_meta = _file_meta(category, shard)
+    if contracts.META_CONTEXT in meta:
+        rejects_meta[contracts.META_CONTEXT] = meta[contracts.META_CONTEXT]
+    rejects.write(rejected, rejects_meta)
     return res
 
 
-def merge_conversation_shard(
-    tokenized, generated, out, rejected, rules: Rules, generation_fp: str, category: str,
-    shard: str, generate_rejected=None,
-) -> MergeResult:  # fmt: skip
-    """A `context: regenerated` shard (docs/multi-turn.md), the variant of merge_shard for
-    conversations (same validation, rejected rows, dataset rows, metadata and conservation
-    code): the generated turns (one row each, with the prompt the engine was sent) are
-    validated like any sample; a conversation keeps its turns up to the first invalid one
-    (later turns were built on it and are rejected with the same reason). A prefix-exact
-    conversation becomes ONE row, its last kept turn's prompt + output, with loss_mask 1 over
-    every kept turn's output; otherwise each kept turn is a row (prompt_id repeats; sample_key
-    is unique).
-
-    Counted in conversations (records_*: in = conversations generated + not_generated = kept,
-    those with a dataset row, + rejected, those without; tokenized conversations = in +
-    generate's rejected) and in turns (turns_*: generated turn rows = kept + rejected).
-
-    Streamed: the token columns are read in batches of whole conversations (at most about
-    CONVERSATION_BATCH_ROWS turn rows or contracts.ROW_GROUP_TOKENS tokens, input row groups
-    released after their last batch), once
-    to validate (only a reason and a reasoning count per turn are kept, so the counts that go
-    into the file's metadata are known before its first row) and once to build the rows, which
-    are cut into row groups as they come (contracts.RowGroupBuffer)."""
-    res = MergeResult()
-    tok_pids = _read_scalar(tokenized, ["prompt_id"]).column("prompt_id").to_pylist()
-    gen = _read_scalar(
-        generated, ["prompt_id", "sample_key", "finish_type", "turn", "prefix_exact"]
-    ).combine_chunks()
-    res.tokenized, res.generated = len(tok_pids), gen.num_rows
-    gen_rej = set(_generate_rejected(generate_rejected).to_pylist())
-    res.generate_rejected = len(gen_rej)
-    pids = gen.column("prompt_id").to_pylist()
-    exact = gen.column("prefix_exact").to_pylist()
-    keys_ = gen.column("sample_key").to_pylist()
-    turn_no = gen.column("turn").to_pylist()
-    finish = gen.column("finish_type").to_pylist()
-    by_conv: dict[str, list[int]] = {}
-    for i, pid in enumerate(pids):
-        by_conv.setdefault(pid, []).append(i)
-    known = set(tok_pids)
-    rejects = _Rejects(category, shard)
-
-    # Batches of whole conversations (prompt_id order) that end once they hold
-    # CONVERSATION_BATCH_ROWS turn rows or contracts.ROW_GROUP_TOKENS prompt + output tokens (a
-    # turn's prompt holds the earlier turns: a conversation's tokens grow with the square of its
-    # turns, so a row bound alone let 16-turn batches grow 4x over 4-turn ones): the token
-    # columns are read a batch at a time, twice (validation, then the rows).
-    turn_tokens_ = _list_lengths(generated, "turn_prompt_ids") + _list_lengths(
-        generated, "output_ids"
-    )
-    batches: list[list[str]] = [[]]
-    n_rows = n_tokens = 0
-    for pid in sorted(p for p in by_conv if p in known):
-        if n_rows >= CONVERSATION_BATCH_ROWS or n_tokens >= contracts.ROW_GROUP_TOKENS:
-            batches.append([])
-            n_rows = n_tokens = 0
-        batches[-1].append(pid)
-        n_rows += len(by_conv[pid])
-        n_tokens += int(turn_tokens_[by_conv[pid]].sum())
-    batch_rows = [np.array([i for pid in b for i in by_conv[pid]], np.int64) for b in batches]
-
-    def turn_tokens(cols, rows, b):
-        """(prompt values, offsets, output values, offsets) of generated rows `rows`."""
-        p_val, p_off = contracts.list_arrays(cols[0].take(rows, b))
-        o_val, o_off = contracts.list_arrays(cols[1].take(rows, b))
-        return p_val, p_off, o_val, o_off
-
-    def token_columns():
-        return (
-            _RowGroupColumn(generated, "turn_prompt_ids", batch_rows),
-            _RowGroupColumn(generated, "output_ids", batch_rows),
-        )
-
-    keys_arr, finish_arr = np.array(keys_, dtype=object), np.array(finish, dtype=object)
-    # Pass 1: every turn validated like any sample, its reasoning tokens counted (None without
-    # think-end), as for a plain shard; only these per-turn numbers are kept.
-    reason = np.full(gen.num_rows, validate.OK, np.int64)
-    turn_reasoning = None
-    cols = token_columns()
-    for b, rows in enumerate(batch_rows):
-        p_val, p_off, o_val, o_off = turn_tokens(cols, rows, b)
-        expected = np.array(keys.sample_keys(generation_fp, (p_val, p_off)), dtype=object)
-        reason[rows] = validate.validate(
-            rules, p_val, p_off, o_val, o_off, finish_arr[rows], expected == keys_arr[rows]
-        )
-        all_off, all_ids, _ = concat_lists(p_off, p_val, o_off, o_val)
-        still_open = validate.unterminated(
-            all_ids, all_off, np.diff(p_off), rules.think_start_id, rules.think_end_id
-        )
-        counted, _ = validate.reasoning_counts(o_val, o_off, rules.think_end_id, still_open)
-        if counted is not None:
-            if turn_reasoning is None:
-                turn_reasoning = np.zeros(gen.num_rows, np.int64)
-            turn_reasoning[rows] = counted
-    del cols
-
-    def reasoning_of(i):
-        return None if turn_reasoning is None else int(turn_reasoning[i])
-
-    def reject(i, code, detail):
-        rejects.add(code, pids[i], detail, {"sample_key": keys_[i], "turn": int(turn_no[i])})
-
-    # What each conversation keeps (its turns up to the first invalid one): decided from the
-    # reasons alone, so the counts are known before a row is written.
-    good_turns: dict[str, list[int]] = {}
-    kept_rows = exact_kept = 0
-    for pid in sorted(by_conv):
-        turns = by_conv[pid]
-        if pid not in known:
-            for i in turns:
-                reject(i, "unknown_prompt_id", validate.describe("unknown_prompt_id"))
-            continue
-        good = []
-        for j, i in enumerate(turns):
-            if reason[i] != validate.OK:
-                code = REASONS[reason[i]]
-                reject(i, code, f"turn {j}: {code}")
-                for later in turns[j + 1 :]:
-                    reject(later, code, f"built on turn {j}, which was rejected ({code})")
-                break
-            good.append(i)
-        if not good:
-            continue
-        good_turns[pid] = good
-        if exact[good[0]]:
-            exact_kept += 1
-            kept_rows += 1
-        else:
-            kept_rows += len(good)
-    kept_convs = len(good_turns)
-    not_generated = sorted(known - set(by_conv) - gen_rej)
-    for pid in not_generated:
-        rejects.not_generated(pid)
-    res.not_generated = len(not_generated)
-    convs_in = len(by_conv) + res.not_generated
-    what = f"merge {category}/{shard}"
-    # tokenized conversations: kept, generated without a dataset row or not generated (merge
-    # rejected them), or rejected by generate
-    merge_rejected = len(known & set(by_conv)) - kept_convs + res.not_generated
-    _check_tokenized(
-        what, len(known), kept_convs, merge_rejected, len(gen_rej & known), res.generated
-    )
-    turns_rejected = sum(1 for r in rejects.rows if r["reason"] != "not_generated")
-    res.kept, res.rejected = kept_rows, len(rejects.rows)
-    res.reasons = rejects.reasons()
-    meta = _file_meta(
-        category,
-        shard,
-        {
-            contracts.META_CONTEXT: contracts.CONTEXT_REGENERATED,
-            # conversations: in = kept (a dataset row) + rejected (none)
-            **contracts.count_metadata(
-                convs_in,
-                kept_convs,
-                convs_in - kept_convs,
-                what=what,
-                keys=contracts.MERGE_COUNT_KEYS,
-            ),  # fmt: skip
-            contracts.META_NOT_GENERATED: str(res.not_generated),
-            # turns: generated turn rows = kept (under the loss mask) + rejected
-            **contracts.count_metadata(
-                res.generated,
-                res.generated - turns_rejected,
-                turns_rejected,
-                what=f"{what} turns",
-                keys=contracts.TURN_COUNT_KEYS,
-            ),  # fmt: skip
-            # samples (rows): one per prefix-exact conversation, one per turn otherwise
-            contracts.META_CONVERSATION_SAMPLES: str(exact_kept),
-            contracts.META_TURN_SAMPLES: str(kept_rows - exact_kept),
-        },
-    )
-
-    # Pass 2: the kept rows, batch by batch, cut into row groups as they come.
-    scalars = gen.select(["prompt_id", "sample_key", "finish_type"])
-    cols = token_columns()
-
-    def dataset_rows(b: int, rows: np.ndarray) -> pa.Table | None:
-        """The DATASET rows of batch b's kept conversations."""
-        p_val, p_off, o_val, o_off = turn_tokens(cols, rows, b)
-        local = {int(i): j for j, i in enumerate(rows)}
-        all_off, all_ids, all_mask = concat_lists(p_off, p_val, o_off, o_val)
-
-        def turn(i):
-            j = local[i]
-            return p_val[p_off[j] : p_off[j + 1]], o_val[o_off[j] : o_off[j + 1]]
-
-        # (generated row of the sample, prompt + output ids, loss mask, output tokens,
-        # reasoning tokens)
-        out_rows: list[tuple[int, np.ndarray, np.ndarray, int, int | None]] = []
-        for pid in batches[b]:
-            good = good_turns.get(pid)
-            if good is None:
-                continue
-            if exact[good[0]]:
-                last_p, last_o = turn(good[-1])
-                ids = np.concatenate([last_p, last_o])
-                mask = np.zeros(len(ids), np.int8)
-                n_out, n_reason = 0, 0 if rules.think_end_id is not None else None
-                for i in good:
-                    p, o = turn(i)
-                    if not np.array_equal(ids[: len(p) + len(o)], np.concatenate([p, o])):
-                        raise ConservationError(
-                            f"{pid}: turn prompts of a prefix-exact conversation do not nest"
-                        )
-                    mask[len(p) : len(p) + len(o)] = 1
-                    n_out += len(o)
-                    if n_reason is not None:
-                        n_reason += reasoning_of(i)
-                out_rows.append((good[-1], ids, mask, n_out, n_reason))
-            else:
-                for i in good:
-                    lo, hi = all_off[local[i]], all_off[local[i] + 1]
-                    n_out = len(turn(i)[1])
-                    out_rows.append((i, all_ids[lo:hi], all_mask[lo:hi], n_out, reasoning_of(i)))
-        if not out_rows:
-            return None
-        lengths = np.array([len(r[1]) for r in out_rows], np.int64)
-        off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        return _dataset_table(
-            category,
-            scalars.take(pa.array([r[0] for r in out_rows], pa.int64())),
-            off,
-            np.concatenate([r[1] for r in out_rows]),
-            np.concatenate([r[2] for r in out_rows]),
-            np.array([r[3] for r in out_rows], np.int64),
-            None if turn_reasoning is None else np.array([r[4] for r in out_rows]),
-        )
-
-    with contracts.ParquetWriter(out, contracts.DATASET, "merge", meta) as writer:
-        buffer = contracts.RowGroupBuffer(writer.write, "input_ids")
-        for b, rows in enumerate(batch_rows):
-            table = dataset_rows(b, rows)
-            if table is not None:
-                buffer.add(table)
-        buffer.finish()
-        writer.write_schema_if_empty()
-        if writer.rows != kept_rows:
-            raise ConservationError(f"{what}: {writer.rows} rows written, {kept_rows} expected")
-    rejects.write(rejected, meta)
-    return res
+def _cut_after_first_invalid(gi, reason, turns: _Turns, rejects: _Rejects) -> np.ndarray:
+    """The kept rows of a batch (bool): valid, and no earlier turn of their record invalid.
+    A valid turn after an invalid one was built on it: it is rejected with that turn's
+    reason. (A prompt shard's records are single rows: nothing is cut.)"""
+    bad = reason >= 0
+    rec = turns.record[gi]
+    new = np.r_[True, rec[1:] != rec[:-1]]
+    local = np.cumsum(new) - 1  # the batch's record of each row
+    first_bad = np.full(int(local[-1]) + 1 if len(local) else 0, len(gi), np.int64)
+    bad_at = np.flatnonzero(bad)
+    np.minimum.at(first_bad, local[bad_at], bad_at)
+    built_on = ~bad & (np.arange(len(gi)) > first_bad[local])
+    for i in np.flatnonzero(built_on):
+        j = first_bad[local[i]]
+        code, g = REASONS[reason[j]], gi[i]
+        detail = f"built on turn {int(turns.turn[gi[j]])}, which was rejected ({code})"
+        record = {"sample_key": turns.key[g], "turn": int(turns.turn[g])}
+        rejects.add(code, turns.pid[g], detail, record)
+    return ~bad & ~built_on
 
 
-def _dataset_batch(p_off, p_val, o_off, o_val, g, gen_scalars, category, rules) -> pa.Table:
-    """DATASET rows for generated rows `g` (all valid) and their prompt/output tokens.
-    `gen_scalars` holds the generated shard's prompt_id, sample_key and finish_type columns."""
+def _dataset_batch(p_off, p_val, o_off, o_val, g, turns: _Turns, category, rules):
+    """(DATASET rows, folded rows) for kept generated rows `g` (in record and turn order) and
+    their prompt/output tokens: a row per turn, except that the turns of a folding record
+    (prefix-exact) become one row, its last turn's prompt + output with loss_mask 1 over every
+    turn's output (their prompts nest: checked)."""
     off, ids, mask = concat_lists(p_off, p_val, o_off, o_val)
     p_len, o_len = np.diff(p_off), np.diff(o_off)
     still_open = validate.unterminated(ids, off, p_len, rules.think_start_id, rules.think_end_id)
     reasoning, _ = validate.reasoning_counts(o_val, o_off, rules.think_end_id, still_open)
-    return _dataset_table(category, gen_scalars.take(pa.array(g)), off, ids, mask, o_len, reasoning)
+    n_out = o_len.astype(np.int64)
+    emit = np.ones(len(g), bool)
+    fold = turns.fold[g]
+    folded = 0
+    if fold.any():
+        rec = turns.record[g]
+        starts = np.flatnonzero(np.r_[True, rec[1:] != rec[:-1]])
+        for a, z in zip(starts, np.r_[starts[1:], len(g)], strict=True):
+            if not fold[a]:
+                continue
+            folded += 1
+            last = z - 1
+            row = ids[off[last] : off[last + 1]]
+            for j in range(a, last):
+                n = int(p_len[j] + o_len[j])
+                if not np.array_equal(row[:n], ids[off[j] : off[j + 1]]):
+                    raise ConservationError(
+                        f"{turns.pid[g[j]]}: the turn prompts of a prefix-exact conversation "
+                        "do not nest"
+                    )
+                mask[off[last] + p_len[j] : off[last] + n] = 1
+                n_out[last] += o_len[j]
+                if reasoning is not None:
+                    reasoning[last] += reasoning[j]
+                emit[j] = False
+    if not emit.all():
+        values = np.repeat(emit, np.diff(off))
+        ids, mask = ids[values], mask[values]
+        off = np.r_[0, np.cumsum(np.diff(off)[emit])].astype(np.int64)
+        g, n_out = g[emit], n_out[emit]
+        reasoning = None if reasoning is None else reasoning[emit]
+    table = _dataset_table(
+        category, turns.scalars.take(pa.array(g)), off, ids, mask, n_out, reasoning
+    )
+    return table, folded
 
 
 def _dataset_table(category, scalars, off, ids, mask, o_len, reasoning) -> pa.Table:
