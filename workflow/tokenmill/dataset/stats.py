@@ -134,13 +134,19 @@ def _reasons(files) -> dict[str, int]:
 
 
 def _stage(out_files, rej_files, repeated_total=False):
-    """in / kept / rejected / reasons of one stage of a category, from its output files'
-    counts metadata (contracts.META_RECORDS_IN) and its rows; a `context: regenerated`
-    category counts conversations (_conversation_counts), every other category rows."""
-    if out_files and contracts.is_regenerated(out_files[0]):
-        kept, rejected, reasons = _conversation_counts(out_files, rej_files)
-    else:
-        kept, rejected, reasons = _rows(out_files), _rows(rej_files), _reasons(rej_files)
+    """in / kept / rejected / reasons of one stage of a category, counted in records (a prompt,
+    or a conversation: docs/multi-turn.md): in and kept from its output files' count metadata
+    (contracts.META_RECORDS_IN; rows where a file carries no kept count), the rejected records'
+    reasons from merge's metadata (contracts.META_RECORD_REASONS: its rejected file has a row
+    per rejected turn) and from the rejected rows of every earlier stage (a row per record)."""
+    kept = _int_meta(out_files, contracts.META_RECORDS_KEPT) if out_files else None
+    if kept is None and out_files:
+        kept = _int_meta(out_files, contracts.META_KEPT)
+    kept = sum(kept) if kept is not None else _rows(out_files)
+    reasons = _record_reasons(out_files, rej_files) if out_files else None
+    if reasons is None:
+        reasons = _reasons(rej_files)
+    rejected = sum(reasons.values())
     ins = _int_meta(out_files, contracts.META_RECORDS_IN) if out_files else None
     value = None
     if ins:
@@ -156,27 +162,25 @@ def _stage(out_files, rej_files, repeated_total=False):
     }
 
 
-def _conversation_counts(out_files, rej_files) -> tuple[int, int, dict]:
-    """(kept, rejected, reasons) of a stage of a `context: regenerated` category, in
-    conversations. Tokenize writes a row per conversation; generate writes a row per turn
-    (kept: conversations with a generated turn) and a rejected row per conversation; merge
-    writes its conversation counts into the metadata and a rejected row per turn (a
-    conversation's reason: that of its first rejected row, when none of its turns was kept)."""
-    if contracts.read_metadata(out_files[0]).get(contracts.META_STAGE) != "merge":
-        return len(_pids(out_files)), _rows(rej_files), _reasons(rej_files)
-    kept = sum(_int_meta(out_files, contracts.META_RECORDS_KEPT) or [0])
-    kept_pids = _pids(out_files)
-    reasons: dict[str, int] = {}
-    for f in rej_files:
-        t = pq.read_table(f, columns=["prompt_id", "reason"]).to_pylist()
-        for pid, reason in {r["prompt_id"]: r["reason"] for r in reversed(t)}.items():
-            if pid not in kept_pids:
-                reasons[reason] = reasons.get(reason, 0) + 1
-    return kept, sum(reasons.values()), dict(sorted(reasons.items()))
-
-
-def _pids(files) -> set[str]:
-    return {p for f in files for p in pq.read_table(f, columns=["prompt_id"]).column(0).to_pylist()}
+def _record_reasons(files, rej_files) -> dict[str, int] | None:
+    """The summed contracts.META_RECORD_REASONS of merge's `files`, if each carries them and the
+    rejected files hold the rows they declare (rejected turns + not_generated prompts); else
+    None, and the rejected rows are counted instead, so a lost rejected row is a conservation
+    problem, not a number taken on trust."""
+    out: dict[str, int] = {}
+    declared_rows = 0
+    for f in files:
+        meta = contracts.read_metadata(f)
+        value = meta.get(contracts.META_RECORD_REASONS)
+        if value is None:
+            return None
+        declared_rows += int(meta[contracts.META_TURNS_REJECTED])
+        declared_rows += int(meta[contracts.META_NOT_GENERATED])
+        for reason, n in json.loads(value).items():
+            out[reason] = out.get(reason, 0) + int(n)
+    if declared_rows != _rows(rej_files):
+        return None
+    return dict(sorted(out.items()))
 
 
 def _conversations(tokenized, generated, dataset, merge_rej, records) -> dict | None:

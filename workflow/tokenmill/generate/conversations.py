@@ -409,6 +409,11 @@ class Conversations:
                 buf.finish()
                 writer.write_schema_if_empty()
             frame.check(kept, rej_w.rows)
+            # counted in conversations, known only now: written at close
+            for writer in (gen_w, rej_w):
+                writer.add_metadata(
+                    {contracts.META_KEPT: kept, contracts.META_REJECTED: rej_w.rows}
+                )
         return gen_w.rows, rej_w.rows
 
     def _turn_rows(self, index: journal.Index, batch: list[tuple[int, int]]) -> pa.Table:
