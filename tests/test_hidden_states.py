@@ -191,7 +191,8 @@ def test_the_stage_is_off_by_default_and_leaves_the_demo_as_it_was():
     # The rerun trigger of stats, card and provenance does not see the disabled section.
     assert "hidden_states" not in outputs_config(s)
     on = demo_config()
-    on["hidden_states"] = {"enabled": True, "layers": [0, 1, 2], "batch_tokens": 99}
+    on["hidden_states"] = {"enabled": True, "layers": [0, 1, 2], "drafter": "other",
+                           "batch_tokens": 99}  # fmt: skip
     view = outputs_config(check_config(on, ROOT))
     assert view["hidden_states"] == {
         "enabled": True,
@@ -205,9 +206,14 @@ def test_the_stage_is_off_by_default_and_leaves_the_demo_as_it_was():
 def test_default_layers_and_their_checks():
     assert layout.resolve_layers(None, 8) == [2, 4, 5, 8]
     assert layout.resolve_layers(None, 32) == [2, 16, 29, 32]
-    assert layout.resolve_layers([1, 3, 8], 8) == [1, 3, 8]
+    assert layout.resolve_layers([1, 3, 6, 8], 8) == [1, 3, 6, 8]
+    assert layout.resolve_layers([1, 3, 8], 8, "other") == [1, 3, 8]  # e.g. DFlash's choice
     for bad, why in (([2, 4, 9], "must be in 0..L"), ([2, 4, 5], "must be L"), ([8], "auxiliary")):
         with pytest.raises(layout.LayoutError, match=why):
+            layout.resolve_layers(bad, 8, "other")
+    # an EAGLE-3 drafter reads three auxiliary layers: two or four fail, naming the way out
+    for bad in ([1, 3, 8], [1, 2, 3, 4, 8]):
+        with pytest.raises(layout.LayoutError, match=r"hidden_states\.drafter: other"):
             layout.resolve_layers(bad, 8)
     with pytest.raises(layout.LayoutError, match=r"= \[2, 1, -1, 2\] for L = 2"):
         layout.resolve_layers(None, 2)  # the 2-layer demo model needs explicit ids
@@ -218,16 +224,22 @@ def test_a_bad_hidden_states_config_fails_before_any_job_naming_the_key():
     cfg["hidden_states"] = {"enabled": True}  # the demo model has 2 layers: no default ids
     with pytest.raises(ConfigError, match=r"hidden_states\.layers"):
         check_config(copy.deepcopy(cfg), ROOT)
+    # the demo suggestion of old, two auxiliary layers: not what an EAGLE-3 drafter trains on
+    cfg["hidden_states"] = {"enabled": True, "layers": [0, 1, 2]}
+    with pytest.raises(ConfigError, match=r"'hidden_states\.layers': \[0, 1, 2\] gives 2 aux"):
+        check_config(copy.deepcopy(cfg), ROOT)
     cfg["hidden_states"] = {"enabled": True, "layers": [0, 1, 2], "model": "no/such-model-here"}
     with pytest.raises(ConfigError, match=r"hidden_states\.model"):
         check_config(copy.deepcopy(cfg), ROOT)
-    cfg["hidden_states"] = {"enabled": True, "layers": [0, 1, 2], "backend": "vllm"}
+    cfg["hidden_states"] = {"enabled": True, "layers": [0, 1, 2], "drafter": "other",
+                            "backend": "vllm"}  # fmt: skip
     with pytest.raises(ConfigError, match=r"hidden_states\.launch\.command': required for"):
         check_config(copy.deepcopy(cfg), ROOT)
     cfg["hidden_states"] = {"enabled": True, "layouts": ["eagle"]}
     with pytest.raises(ConfigError, match=r"hidden_states\.layouts"):
         check_config(copy.deepcopy(cfg), ROOT)
-    cfg["hidden_states"] = {"enabled": True, "layers": [0, 1, 2], "resources": {"gpus": 2}}
+    cfg["hidden_states"] = {"enabled": True, "layers": [0, 1, 2], "drafter": "other",
+                            "resources": {"gpus": 2}}  # fmt: skip
     cfg["generation"]["resources"] = {"gpus": 8, "runtime_min": 100, "mem_mb": 1000}
     from tokenmill.hidden_states.stage import job_resources
 

@@ -412,6 +412,7 @@ class HiddenStatesSettings(_Section):
     backend: str  # hf | vllm
     model: str | None  # None: generation.model
     layers: tuple[int, ...] | None  # None: the default ids for the model's layer count
+    drafter: str  # eagle3 (three auxiliary ids) | other (any number)
     layouts: tuple[str, ...]
     batch_tokens: int
     max_batch_rows: int

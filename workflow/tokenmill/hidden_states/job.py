@@ -224,7 +224,7 @@ def run_shard(
     files = []
     for rel in sorted(keep):
         rec = None
-        i = _row_of(rel)
+        i = layout.row_index(rel)
         if i is not None:
             rec = journal.done[i]["files"].get(rel)
         size, sha = rec if rec else (None, None)
@@ -257,16 +257,6 @@ class Work:
     rows: int
     tokens: int
     seconds: float
-
-
-def _row_of(rel: str) -> int | None:
-    name = rel.rsplit("/", 1)[-1]
-    for prefix in ("hs_", "data_"):
-        if name.startswith(prefix) and (
-            rel.startswith("speculators/hidden_states/") or (rel.startswith("specforge/"))
-        ):
-            return int(name[len(prefix) :].split(".")[0])
-    return None
 
 
 def verify_shard(out_dir: Path) -> list[str]:

@@ -103,8 +103,12 @@ def default_layers(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3, num_layers]
 
 
-def resolve_layers(layers, num_layers: int) -> list[int]:
-    """The configured ids (None: the default) checked against an L-layer model."""
+EAGLE3_AUX_LAYERS = 3  # SpecForge's EAGLE-3 draft asserts 3H auxiliary states, speculators' 3
+
+
+def resolve_layers(layers, num_layers: int, drafter: str = "eagle3") -> list[int]:
+    """The configured ids (None: the default) checked against an L-layer model and the
+    drafter they are for (eagle3: exactly three auxiliary ids; other: one or more)."""
     ids = list(layers) if layers is not None else default_layers(num_layers)
     key = "hidden_states.layers"
     if layers is None:
@@ -122,6 +126,13 @@ def resolve_layers(layers, num_layers: int) -> list[int]:
         )
     if len(ids) < 2:
         raise LayoutError(f"config key '{key}': needs at least one auxiliary layer before L")
+    if drafter == "eagle3" and len(ids) != EAGLE3_AUX_LAYERS + 1:
+        raise LayoutError(
+            f"config key '{key}': {ids_text} gives {len(ids) - 1} auxiliary layers; an EAGLE-3 "
+            f"drafter (SpecForge, speculators) trains on {EAGLE3_AUX_LAYERS} plus L, so "
+            f"give {EAGLE3_AUX_LAYERS + 1} ids ending with L = {num_layers}, or set "
+            "hidden_states.drafter: other for a drafter that wants other layers (such as DFlash)"
+        )
     return ids
 
 
@@ -144,6 +155,18 @@ def specforge_path(i: int) -> str:
 
 def row_path(layout: str, i: int) -> str:
     return speculators_path(i) if layout == "speculators" else specforge_path(i)
+
+
+def row_index(rel: str) -> int | None:
+    """The row whose file `rel` is (row_path's inverse); None for any other path."""
+    name = rel.rsplit("/", 1)[-1]
+    for prefix, folder in (("hs_", "speculators/hidden_states/"), ("data_", "specforge/")):
+        if name.startswith(prefix) and rel.startswith(folder):
+            try:
+                return int(name[len(prefix) :].split(".")[0])
+            except ValueError:
+                return None
+    return None
 
 
 def speculators_bytes(token_ids, hidden_states) -> bytes:

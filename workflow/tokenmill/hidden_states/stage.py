@@ -48,7 +48,8 @@ def model_name(settings: Settings) -> str | None:
 def plan_layers(settings: Settings, basedir=".") -> tuple[layout.ModelShape, list[int]]:
     """The model's shape and the resolved layer ids (LayoutError when they cannot be read)."""
     shape = layout.model_shape(model_name(settings), basedir, settings.generation.revision)
-    return shape, layout.resolve_layers(settings.hidden_states.layers, shape.num_layers)
+    hs = settings.hidden_states
+    return shape, layout.resolve_layers(hs.layers, shape.num_layers, hs.drafter)
 
 
 def fingerprint(settings: Settings, basedir=".") -> dict:
