@@ -31,6 +31,7 @@ localrules:
     write_dataset_card,
     write_provenance,
     compare_with_manifest,
+    hidden_states_training_folder,
 
 
 rule all:

@@ -178,3 +178,42 @@ def test_specforge_reads_every_file_and_runs_a_training_step(stage_out, model8, 
     assert all(finite for finite, _ in grads.values())
     assert grads["draft_model.fc.weight"][1] > 0 and grads["draft_model.lm_head.weight"][1] > 0
     assert sum(norm > 0 for _, norm in grads.values()) >= len(grads) - 1
+
+
+@pytest.fixture(scope="module")
+def training_folder(model8, tmp_path_factory):  # noqa: F811
+    """The run's training folder over three shards of two categories (12 rows)."""
+    from test_hidden_states_training import SHARDS, folder_cmd, manifests, run_shard
+
+    tmp = tmp_path_factory.mktemp("hs_training_trainers")
+    rows = []
+    for seed, (c, s, n) in enumerate(SHARDS):
+        rows += run_shard(tmp, model8, c, s, n, seed)
+    out = tmp / "hidden_states" / "all"
+    p = folder_cmd(out, manifests(tmp))
+    assert p.returncode == 0, p.stdout + p.stderr
+    return out, rows
+
+
+def test_speculators_reads_every_row_of_the_training_folder(training_folder, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    out, rows = training_folder
+    loaded = run_checker("speculators", {"data": str(out / "speculators")}, tmp_path)
+    assert len(loaded) == len(rows) == 12
+    for i, item in enumerate(loaded):  # row i of the run, its states from its shard's file
+        assert item["input_ids"].tolist() == rows[i]
+        hs = load_file(out / layout.speculators_path(i))["hidden_states"]
+        assert torch.equal(item["hidden_states"], hs[:, :-1].flatten(1))
+        assert torch.equal(item["verifier_last_hidden_states"], hs[:, -1])
+
+
+def test_specforge_reads_every_row_of_the_training_folder(training_folder, tmp_path):
+    out, rows = training_folder
+    loaded = run_checker("specforge", {"data": str(out / "specforge")}, tmp_path)
+    assert len(loaded) == len(rows) == 12
+    by_row = {int(Path(p).name.split("_")[1].split(".")[0]): v for p, v in loaded.items()}
+    assert sorted(by_row) == list(range(12))  # the folder's numbering, links as it found them
+    for i, ids in enumerate(rows):
+        assert by_row[i]["tensors"]["input_ids"].tolist() == ids

@@ -1,7 +1,8 @@
 """The hidden_states stage in a real Snakemake run: turned on in a copy of the finished demo run,
 it runs one job per dataset shard and nothing upstream; `tokenmill plan` gives the bytes per
 layout before it runs; the provenance lists every file it wrote and `tokenmill verify` checks
-them (and catches a changed one)."""
+them (and catches a changed one), and the run's training folder links every row (verify
+catches a link to the wrong row)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import copy_run, failed, snakemake, tool_env
+
+from tokenmill import layout
 
 BIN = Path(sys.executable).parent
 # The demo run (shared, once per session) and this one: 11 model loads on a loaded CI machine.
@@ -34,8 +37,9 @@ def tokenmill(workdir: Path, *args: str) -> subprocess.CompletedProcess:
 def hs_run(demo_workdir, tmp_path_factory):
     work = copy_run(demo_workdir, tmp_path_factory.mktemp("hs") / "demo")
     config = yaml.safe_load((work / "config.yaml").read_text())
-    # The demo model has 2 layers: aux ids 0 and 1, then L = 2 (before the final norm).
-    config["hidden_states"] = {"enabled": True, "layers": [0, 1, 2]}
+    # The demo model has 2 layers: aux ids 0 and 1, then L = 2 (before the final norm); two
+    # auxiliary layers are not an EAGLE-3 drafter's three, so the config says so.
+    config["hidden_states"] = {"enabled": True, "layers": [0, 1, 2], "drafter": "other"}
     (work / "hs.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     plan = tokenmill(work, "plan", "--configfile", "hs.yaml", "--json")
     assert plan.returncode == 0, plan.stderr
@@ -54,6 +58,7 @@ def test_only_the_new_jobs_and_the_reports_run(hs_run):
     shards = sorted((work / "results" / "dataset").glob("*/*.parquet"))
     manifests = sorted((work / "results" / "hidden_states").glob("*/*/manifest.json"))
     assert len(manifests) == len(shards) > 0
+    assert "hidden_states_training_folder" in ran
 
 
 def test_plan_bytes_match_what_was_written(hs_run):
@@ -87,22 +92,60 @@ def test_provenance_lists_every_file_and_verify_checks_them(hs_run, tmp_path):
     results = work / "results"
     prov = json.loads((results / "provenance.json").read_text())
     listed = {e["path"] for e in prov["outputs"]}
-    written = {
-        p.relative_to(results).as_posix()
-        for p in (results / "hidden_states").rglob("*")
-        if p.is_file()
+    files = [p for p in (results / "hidden_states").rglob("*") if p.is_file()]
+    written = {p.relative_to(results).as_posix() for p in files if not p.is_symlink()}
+    links = {p.relative_to(results).as_posix() for p in files if p.is_symlink()}
+    assert written and written <= listed and not links & listed
+    rows = sum(m["rows"] for d, m in prov["hidden_states"].items())
+    assert sum(1 for p in written if p.endswith(".safetensors")) == rows
+    # the training folder: every shard's rows, numbered from 0, as links (checked by verify)
+    assert {p for p in links if p.endswith(".safetensors")} == {
+        f"hidden_states/all/speculators/hidden_states/hs_{i}.safetensors" for i in range(rows)
     }
-    assert written and written <= listed
-    assert sum(1 for p in written if p.endswith(".safetensors")) == sum(
-        m["rows"] for m in prov["hidden_states"].values()
-    )
+    assert "hidden_states/all/manifest.json" in listed
+    assert "hidden_states/all/speculators/data-00000-of-00001.arrow" in listed
     ok = tokenmill(work, "verify", "results/provenance.json")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     copy = copy_run(results, tmp_path / "results")
-    victim = sorted((copy / "hidden_states").rglob("hs_0.safetensors"))[0]
+    victim = sorted(p for p in (copy / "hidden_states").rglob("hs_0.safetensors")
+                    if not p.is_symlink())[0]  # fmt: skip
     data = bytearray(victim.read_bytes())
     data[-1] ^= 1  # one bit of one value
     victim.write_bytes(bytes(data))
+    link = copy / "hidden_states" / "all" / "specforge" / "rows_0-2000" / "data_1.ckpt"
+    target = link.readlink()
+    link.unlink()
+    link.symlink_to(str(target).replace("data_1.ckpt", "data_0.ckpt"))  # the wrong row
     bad = tokenmill(work, "verify", "results/provenance.json", str(copy))
     assert bad.returncode == 1
     assert f"sha256 differs: {victim.relative_to(copy).as_posix()}" in bad.stdout
+    assert "hidden_states/all: link differs: specforge/rows_0-2000/data_1.ckpt" in bad.stdout
+
+
+def test_verify_repair_then_a_rerun_recomputes_only_the_changed_row(hs_run, tmp_path):
+    """A row file changed at its own size: a rerun alone checks sizes and keeps it, so
+    `tokenmill verify --repair` finds it and removes it with its shard's manifest; the same
+    snakemake command then recomputes that one row and verify passes."""
+    work = copy_run(hs_run[0], tmp_path / "run")
+    results = work / "results"
+    shard = sorted(p.parent for p in (results / "hidden_states").glob("*/*/manifest.json"))[0]
+    victim = shard / "specforge" / "rows_0-2000" / "data_1.ckpt"
+    good = victim.read_bytes()
+    data = bytearray(good)
+    data[-100] ^= 1
+    victim.write_bytes(bytes(data))
+    again = snakemake(work, "--configfile", "hs.yaml", "-n")
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
+    fixed = tokenmill(work, "verify", "--repair", "results/provenance.json")
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    rel = shard.relative_to(results).as_posix()
+    assert f"repair: {rel}: 1 row file(s) removed with the shard's manifest.json" in fixed.stdout
+    assert not victim.exists() and not (shard / "manifest.json").exists()
+    proc = snakemake(work, "--configfile", "hs.yaml")
+    assert proc.returncode == 0, failed(proc)
+    lay = layout.Layout(str(results), str(work / "journal"))
+    log = Path(lay.attempt_log("hidden_states", shard.parent.name, shard.name)).read_text()
+    assert "already done, 1 to compute" in log
+    assert victim.read_bytes() == good
+    ok = tokenmill(work, "verify", "results/provenance.json")
+    assert ok.returncode == 0, ok.stdout + ok.stderr

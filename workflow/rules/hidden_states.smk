@@ -41,3 +41,19 @@ rule extract_hidden_states:
         ' --config-json "$TOKENMILL_CONFIG_JSON" --journal-dir "$TOKENMILL_JOURNAL_DIR"'
         " --log-dir {params.log_dir:q} 2>&1"
         " | ( trap '' TERM INT; exec tee -a {params.log_dir:q}/hidden_states.log ) > {log:q}"
+
+
+# The run's one training folder per layout: every declared shard's rows numbered from 0
+# (categories, then shards), row files linked, not copied (hidden_states/training.py).
+rule hidden_states_training_folder:
+    input:
+        manifests=each_shard(LAYOUT.hidden_states_manifest),
+    output:
+        manifest=LAYOUT.hidden_states_training_manifest(),
+    log:
+        LAYOUT.log("hidden_states_training"),
+    conda:
+        "../../envs/hidden_states.yaml"
+    shell:
+        'tokenmill hidden-states-folder --out "$(dirname {output.manifest:q})"'
+        " {input.manifests:q} > {log:q} 2>&1"

@@ -30,6 +30,10 @@ COMMANDS = {
         "tokenmill.hidden_states.stage",
         "dataset shard -> the target model's hidden states of its rows",
     ),
+    "hidden-states-folder": (
+        "tokenmill.hidden_states.training",
+        "hidden-state shards -> the run's one training folder per layout",
+    ),
     "draft-vocab": ("tokenmill.dataset.draft_vocab", "token counts -> EAGLE-3 draft vocabulary"),
     "stats": ("tokenmill.dataset.stats", "summary statistics, tables and plots"),
     "status": ("tokenmill.status", "how far generation is: per shard, rate, time left, failures"),

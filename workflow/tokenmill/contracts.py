@@ -919,6 +919,33 @@ class HiddenStatesManifest(Record):
     files: list[ManifestFile]
 
 
+@dataclass(frozen=True)
+class TrainingShard(Record):
+    """One shard of the training folder: its rows are the folder's rows first..first+rows-1."""
+
+    category: str
+    shard: str
+    first: int
+    rows: int
+    manifest_sha256: str  # of the shard's manifest.json the links were made from
+
+
+@dataclass(frozen=True)
+class HiddenStatesTrainingManifest(Record):
+    """hidden_states/all/manifest.json, written last: the run's one training folder per layout
+    (hidden_states/training.py). Its row files are relative links into the shard folders
+    (shards in declared order); rows_files are the speculators rows folder's own files."""
+
+    SCHEMA: ClassVar[str] = "tokenmill.hidden_states_training/1"
+    rows: int
+    tokens: int
+    layouts: list[str]
+    layer_ids: list[int]
+    dtype: str
+    shards: list[TrainingShard]
+    rows_files: list[ManifestFile]
+
+
 # ---------------------------------------------------------------------- the statistics
 
 

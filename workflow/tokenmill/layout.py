@@ -25,6 +25,8 @@ renamed category, a shard above a lowered count, an older layout's file) is
       rejected/{generate,merge}/{category}/{shard}.parquet
       hidden_states/{category}/{shard}/            the hidden_states stage, manifest.json last
       hidden_states/{category}/{shard}.job.json    its job record
+      hidden_states/all/                           the run's one training folder per layout:
+                                                   links to the shard files, manifest.json last
       tokenizer/token_facts.json, stats/, provenance.json, report.html
       logs/, benchmarks/                           per job (not published)
       retired/                                     what the config no longer declares (not read)
@@ -65,6 +67,7 @@ REPORT = "report.html"
 RETIRED_DIR = "retired"
 VERDICT_DIR = "verdict"  # rejected/verdict/{category}.json
 HIDDEN_STATES_MANIFEST = "manifest.json"
+HIDDEN_STATES_TRAINING = "all"  # hidden_states/all/: a reserved category name
 # Histograms written by `tokenmill stats` (stats/length_{metric}.png) and the coverage curves.
 LENGTH_METRICS = ("prompt_tokens", "output_tokens", "reasoning_tokens", "answer_tokens",
                   "total_tokens")  # fmt: skip
@@ -73,7 +76,7 @@ COVERAGE_PLOT = "token_coverage.png"
 # retired.
 RUN_LOG_DIRS = ("logs", "benchmarks")
 # Names a category may not take: the dataset folder and its card use them.
-RESERVED_CATEGORIES = (MAPPING_DIR, "all")
+RESERVED_CATEGORIES = (MAPPING_DIR, "all")  # "all": also HIDDEN_STATES_TRAINING
 
 
 def shard_name(shard: int) -> str:
@@ -174,6 +177,13 @@ class Layout:
 
     def hidden_states_manifest(self, category: str, shard: str) -> str:
         return self._r("hidden_states", category, shard, HIDDEN_STATES_MANIFEST)
+
+    def hidden_states_training_dir(self) -> str:
+        """The run's training folder (hidden_states/training.py), beside the shard folders."""
+        return self._r("hidden_states", HIDDEN_STATES_TRAINING)
+
+    def hidden_states_training_manifest(self) -> str:
+        return self._r("hidden_states", HIDDEN_STATES_TRAINING, HIDDEN_STATES_MANIFEST)
 
     def hidden_states_record(self, category: str, shard: str) -> str:
         """The hidden_states job's record (contracts.HiddenStatesJobRecord)."""
@@ -357,6 +367,8 @@ def published_files(layout: Layout, settings, tokenized_dirs: bool = False) -> l
         for shard in shards:
             files += shard_files(layout, category, shard, settings)
     files += [layout.token_facts(), layout.all_counts()]
+    if settings.hidden_states.enabled:
+        files.append(layout.hidden_states_training_manifest())
     files += vocab_files(layout, settings)
     return files + stats_files(layout) + [layout.card()]
 
@@ -391,6 +403,8 @@ def published_dirs(layout: Layout, settings) -> list[str]:
         out.append(layout.tokenized_dir(category))
         if settings.hidden_states.enabled:
             out += [layout.hidden_states_dir(category, s) for s in shards]
+    if settings.hidden_states.enabled:
+        out.append(layout.hidden_states_training_dir())
     return out
 
 
@@ -452,6 +466,8 @@ def category_of(rel: str) -> str | None:
         return None if name == ALL_COUNTS else name
     if parts[0] == DATASET_DIR and len(parts) >= 3 and parts[1] != MAPPING_DIR:
         return parts[1]
+    if parts[:2] == ["hidden_states", HIDDEN_STATES_TRAINING]:
+        return None  # the run's training folder
     if parts[0] in ("tokenized", "generated", "export", COUNTS_DIR, "hidden_states"):
         return parts[1] if len(parts) >= 3 else None
     return None

@@ -33,7 +33,8 @@ Schema "tokenmill.provenance/1" (keys sorted on disk):
                       loss tokens} of every counts file (results/token_counts/)
     outputs           [{path (relative to results), size, sha256, rows (parquet only)}],
                       every file the config declares (layout.published_files) and every
-                      file of the declared hidden-state shard folders
+                      file of the declared hidden-state shard folders and the training
+                      folder's rows files (its row files are links to the shards' files)
     generated_samples {path: {prompt_id: sha256(output_ids as little-endian int32)[:16]}}
                       so a rerun can be compared sample by sample
     hidden_states     only when the stage ran (hidden_states.enabled): per shard folder
@@ -222,6 +223,17 @@ def _hidden_states_manifests(results: Path, config: Settings) -> dict:
     return out
 
 
+def _training_rows_files(results: Path, config: Settings) -> dict:
+    """{path: ManifestFile} of the training folder's rows files (its row files are links into
+    the shard folders, listed there; verify checks each link)."""
+    if not config.hidden_states.enabled:
+        return {}
+    lay = layout.Layout(str(results), config.journal_dir)
+    m = contracts.HiddenStatesTrainingManifest.read(lay.hidden_states_training_manifest())
+    folder = Path(lay.hidden_states_training_dir()).relative_to(results).as_posix()
+    return {f"{folder}/{f.path}": f for f in m.rows_files}
+
+
 def _hidden_states(manifests: dict) -> dict[str, contracts.HiddenStatesProvenance]:
     """Per shard folder: rows, tokens, bytes, layer ids, dtype, layouts, the stage fingerprint
     (the row files themselves are in `outputs`)."""
@@ -242,6 +254,7 @@ def list_outputs(results: Path, config: Settings | dict) -> list[contracts.Outpu
     config = as_settings(config)
     manifests = _hidden_states_manifests(results, config)
     known = {f"{d}/{f.path}": f for d, m in manifests.items() for f in m.files}
+    known |= _training_rows_files(results, config)
     entries = []
     for rel in sorted([*output_paths(results, config), *known]):
         p = results / rel
