@@ -220,7 +220,11 @@ def main() -> int:
             "generation": {"model": str(model_dir)},
         }
         results = {"floor": floor(model_dir, rows)}
-        hf_cfg = {**base, "hidden_states": {"enabled": True, "backend": "hf", "device": "cpu"}}
+        both = ["speculators", "specforge"]  # bytes per token of each layout
+        hf_cfg = {
+            **base,
+            "hidden_states": {"enabled": True, "backend": "hf", "device": "cpu", "layouts": both},
+        }
         results["hf"] = run_stage_core(hf_cfg, dataset, work, "hf")
         if args.no_vllm:
             print("vllm: left out (--no-vllm)")
@@ -232,7 +236,8 @@ def main() -> int:
                     "(bash tests/vllm/ensure_venv.sh installs it)"
                 )
             else:
-                hs = {"enabled": True, "backend": "vllm", "launch": vllm_launch(python)}
+                hs = {"enabled": True, "backend": "vllm", "launch": vllm_launch(python),
+                      "layouts": both}  # fmt: skip
                 results["vllm"] = run_stage_core(
                     {**base, "hidden_states": hs}, dataset, work, "vllm"
                 )

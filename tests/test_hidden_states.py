@@ -107,6 +107,8 @@ def make_dataset(
 
 
 def stage_config(model: Path, **hidden_states) -> dict:
+    """A stage config writing both layouts unless `layouts` is given."""
+    hidden_states = {"layouts": ["speculators", "specforge"], **hidden_states}
     return {
         "tokenizer": {"path": str(model)},
         "categories": {"c": {"sources": ["x"], "format": "messages"}},
@@ -196,7 +198,7 @@ def test_the_stage_is_off_by_default_and_leaves_the_demo_as_it_was():
     cfg = check_config(demo_config(), ROOT)
     s = Settings.from_validated(cfg)
     assert s.hidden_states.enabled is False and s.hidden_states.layers is None
-    assert s.hidden_states.layouts == ("speculators", "specforge")
+    assert s.hidden_states.layouts == ("speculators",)  # one layout: each layer stored once
     # The rerun trigger of stats, card and provenance does not see the disabled section.
     assert "hidden_states" not in outputs_config(s)
     on = demo_config()
@@ -208,7 +210,7 @@ def test_the_stage_is_off_by_default_and_leaves_the_demo_as_it_was():
         "backend": "hf",
         "model": None,
         "layers": [0, 1, 2],
-        "layouts": ["speculators", "specforge"],
+        "layouts": ["speculators"],
     }
 
 

@@ -39,7 +39,8 @@ def hs_run(demo_workdir, tmp_path_factory):
     config = yaml.safe_load((work / "config.yaml").read_text())
     # The demo model has 2 layers: aux ids 0 and 1, then L = 2 (before the final norm); two
     # auxiliary layers are not an EAGLE-3 drafter's three, so the config says so.
-    config["hidden_states"] = {"enabled": True, "layers": [0, 1, 2], "drafter": "other"}
+    config["hidden_states"] = {"enabled": True, "layers": [0, 1, 2], "drafter": "other",
+                               "layouts": ["speculators", "specforge"]}  # fmt: skip
     (work / "hs.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     plan = tokenmill(work, "plan", "--configfile", "hs.yaml", "--json")
     assert plan.returncode == 0, plan.stderr
