@@ -208,6 +208,23 @@ def test_complete_shard_then_rerun_starts_no_engine_and_is_identical(tmp_path, v
     assert fake_sglang.requested_ids(r.counter)[-1] == [555, 1, 2]
 
 
+def test_prompts_that_share_a_prefix_are_sent_back_to_back_and_written_in_prompt_id_order(
+    tmp_path,
+):
+    # four tool sets, interleaved in prompt_id order as a hash of the prompt_id spreads them
+    sets = [[40 + s] * 20 + [s] * 20 for s in range(4)]
+    p = {f"p{i:03d}": [1, 2] + sets[i % 4] + [300 + i] for i in range(24)}
+    r = Run(tmp_path, concurrency=1)
+    write_tokenized(r.tokenized, p)
+    r.run()
+    sent = fake_sglang.requested_ids(r.counter)
+    tool_set = [ids[2] - 40 for ids in sent]
+    runs = [t for j, t in enumerate(tool_set) if j == 0 or tool_set[j - 1] != t]
+    assert len(sent) == 24 and sorted(runs) == [0, 1, 2, 3], tool_set  # a set's prompts together
+    g = pq.read_table(r.out["g.parquet"])
+    assert g.column("prompt_id").to_pylist() == sorted(p)
+
+
 def test_sigkill_client_mid_shard_then_resume(tmp_path):
     hold = tmp_path / "hold"
     hold.write_text("12")  # 12 answered, the rest held: the kill lands mid-shard on any machine
@@ -981,7 +998,8 @@ def test_generate_needs_neither_transformers_nor_torch(tmp_path, repo_root):
     def tokenize(stop_tokens) -> subprocess.CompletedProcess:
         argv = [
             sys.executable, "-m", "tokenmill", "tokenize", "--prompts", str(prompts_file),
-            "--category", "chat", "--shards", "1", "--max-prompt-tokens", "512",
+            "--category", "chat", "--shards", "1", "--shard-by", "prompt_id",
+            "--max-prompt-tokens", "512",
             "--tokenizer-config", json.dumps({"path": "sample/model"}),
             "--basedir", str(repo_root), "--out-dir", str(tmp_path / "tok"),
             "--rejected", str(tmp_path / "tok-rejected.parquet"),

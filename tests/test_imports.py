@@ -24,6 +24,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "workflow" / "tokenmill"
 
 SHARED = {"contracts", "guards", "keys", "launch_flags", "layout", "settings", "model", "redaction",
+          "prefix_reuse",
           "engines", "jobs"}  # fmt: skip
 STAGES = {"prepare", "tokenization", "generate", "dataset", "provenance", "hidden_states"}
 TOP = {"cli", "config", "plan", "retire", "run_summary", "status", "workflow_support", "__main__"}

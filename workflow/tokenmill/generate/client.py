@@ -62,6 +62,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+import numpy as np
 
 from tokenmill import guards
 from tokenmill.engines import EngineAPI, SGLangAPI
@@ -133,6 +134,10 @@ class Item:
     key: str
     prompt_ids: list[int]
     seed: int | None = None
+
+    def ids(self) -> np.ndarray:
+        """The prompt ids as an array (what ordering reads; the request takes prompt_ids)."""
+        return np.asarray(self.prompt_ids, dtype=np.int64)
 
 
 @dataclass

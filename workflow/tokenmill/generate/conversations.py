@@ -78,8 +78,11 @@ class TurnItem(Item):
 
     @property
     def prompt_ids(self) -> list[int]:
+        return self.ids().tolist()
+
+    def ids(self) -> np.ndarray:
         p = self._prompt
-        return (p() if callable(p) else p).tolist()
+        return p() if callable(p) else p
 
 
 class TurnPrompts:
