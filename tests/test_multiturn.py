@@ -89,6 +89,7 @@ class Pipeline:
         cli("prepare", "--category", "mt", "--category-config", json.dumps(cat),
             "--out", str(t / "p.parquet"), "--rejected", str(t / "pr.parquet"))  # fmt: skip
         cli("tokenize", "--prompts", str(t / "p.parquet"), "--category", "mt", "--shards", "1",
+            "--shard-by", "prompt_id",
             "--tokenizer-config", str(self.tmp / "tok.json"), "--max-prompt-tokens", "2048",
             "--out-dir", str(t / "tok"), "--rejected", str(t / "tr.parquet"),
             "--stop-tokens", json.dumps([STOP]),

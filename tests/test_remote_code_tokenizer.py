@@ -84,7 +84,8 @@ def run_tokenize(tmp_path: Path, tok_dir: Path, trust: bool) -> subprocess.Compl
     cfg = {"path": str(tok_dir), "trust_remote_code": trust, "chat_template_kwargs": {}}
     return subprocess.run(
         [str(BIN / "tokenmill"), "tokenize", "--prompts", str(prompts), "--category", "c",
-         "--shards", "1", "--tokenizer-config", json.dumps(cfg), "--max-prompt-tokens", "4096",
+         "--shards", "1", "--shard-by", "prompt_id", "--tokenizer-config", json.dumps(cfg),
+         "--max-prompt-tokens", "4096",
          "--out-dir", str(tmp_path / "out"), "--rejected", str(tmp_path / "rej.parquet")],
         capture_output=True, text=True, timeout=300,
         env={"HF_HUB_OFFLINE": "1", "PATH": str(BIN)},

@@ -529,6 +529,7 @@ def test_cli(tmp_path, tiny_tokenizer_dir, capsys):
     cfg_file = tmp_path / "tok.json"
     cfg_file.write_text(json.dumps(tok_cfg(tiny_tokenizer_dir)))
     args = ["--prompts", str(prompts), "--category", "chat", "--shards", "2",
+            "--shard-by", "prompt_id",
             "--max-prompt-tokens", "4096", "--rejected", str(tmp_path / "rej.parquet")]  # fmt: skip
     assert (
         tk.main([*args, "--tokenizer-config", str(cfg_file), "--out-dir", str(tmp_path / "a")]) == 0

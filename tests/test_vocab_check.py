@@ -28,7 +28,7 @@ def _cli(tmp_path, tokenizer_dir, *extra):
     prompts = write_prompts(tmp_path / "prompts.parquet", prompt_rows(EXTRA))
     argv = [
         sys.executable, "-m", "tokenmill", "tokenize", "--prompts", str(prompts),
-        "--category", "c", "--shards", "2", "--tokenizer-config",
+        "--category", "c", "--shards", "2", "--shard-by", "prompt_id", "--tokenizer-config",
         json.dumps(tok_cfg(tokenizer_dir)), "--max-prompt-tokens", "4096",
         "--out-dir", str(tmp_path / "out"), "--rejected", str(tmp_path / "rej.parquet"),
         "--workers", "1", *extra,

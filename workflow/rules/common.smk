@@ -115,6 +115,10 @@ def category_shard_count(wildcards):
     return SETTINGS.categories[wildcards.category].shards
 
 
+def category_shard_by(wildcards):
+    return SETTINGS.categories[wildcards.category].shard_by
+
+
 def tokenizer_json(wildcards=None):
     return json.dumps(SETTINGS.tokenizer.raw, sort_keys=True)
 

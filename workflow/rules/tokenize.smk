@@ -19,6 +19,7 @@ checkpoint tokenize_prompts:
         tokenizer=tokenizer_json,
         tokenizer_fingerprint=TOKENIZER_FINGERPRINT,
         shards=category_shard_count,
+        shard_by=category_shard_by,
         max_prompt_tokens=SETTINGS.max_prompt_tokens,
         # Prompt ids are range-checked against this model's vocab_size (its config.json).
         model=SETTINGS.generation.model or "",
@@ -28,7 +29,8 @@ checkpoint tokenize_prompts:
         think_end_token=think_end_token,
     shell:
         "tokenmill tokenize --prompts {input.prompts:q} --category {wildcards.category:q}"
-        " --shards {params.shards} --tokenizer-config {params.tokenizer:q}"
+        " --shards {params.shards} --shard-by {params.shard_by}"
+        " --tokenizer-config {params.tokenizer:q}"
         " --model={params.model:q} --model-revision={params.model_revision:q}"
         " --max-prompt-tokens {params.max_prompt_tokens} --workers {threads}"
         " --stop-tokens {params.stop_tokens:q} --think-end-token={params.think_end_token:q}"

@@ -60,6 +60,8 @@ META_SOURCE_RECORDS = "tokenmill.source_records"
 # generation.stop_tokens as configured (JSON) and resolved to ids with this tokenizer (JSON), so
 # that the generate job needs no tokenizer (and imports neither transformers nor torch).
 META_NUM_SHARDS = "tokenmill.num_shards"
+# how rows were placed in shards: prefix | prompt_id (tokenization/shards.py)
+META_SHARD_BY = "tokenmill.shard_by"
 META_MAX_PROMPT_TOKENS = "tokenmill.max_prompt_tokens"
 META_PROMPT_TOKENS = "tokenmill.prompt_tokens"
 META_STOP_TOKENS = "tokenmill.stop_tokens"

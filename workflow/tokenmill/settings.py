@@ -366,6 +366,7 @@ class CategorySettings(_Section):
     max_prompts: int | None
     sample_seed: int
     shards: int
+    shard_by: str  # prefix | prompt_id (tokenization/shards.py)
     resources: Mapping[str, Any] | None  # only the keys it overrides in generation.resources
 
     @property

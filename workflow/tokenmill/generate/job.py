@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from tokenmill import contracts, engines, keys, layout
+from tokenmill import contracts, engines, keys, layout, prefix_reuse
 from tokenmill.engines.launch import ExternalEngines, ManagedEngine
 from tokenmill.generate import failure, journal
 from tokenmill.generate.client import (
@@ -63,6 +63,7 @@ from tokenmill.settings import (
     TokenizerSettings,
     thaw,
 )
+from tokenmill.tokenization import shards
 
 log = logging.getLogger("tokenmill.generate")
 
@@ -178,6 +179,9 @@ class ShardItem(Item):
     def prompt_ids(self) -> list[int]:
         return self._shard.ids(self._i).tolist()
 
+    def ids(self) -> np.ndarray:
+        return self._shard.ids(self._i)
+
 
 def check_vocab(shard: Shard, gen: GenerationSettings, basedir: str, meta: dict) -> None:
     """Refuse to send a prompt id the model cannot embed: SGLang's scheduler dies on one (a
@@ -256,7 +260,13 @@ def open_job(args, gen: GenerationSettings, tok_cfg: TokenizerSettings, meta: di
     want = wanted(shard, pre_rejected)
     migration = None
     if shard.num_shards is not None:
-        migration = journal.ensure_layout(args.journal_dir, args.category, shard.num_shards)
+        assignment = None
+        if shards.shard_by_of(shard.metadata) == shards.BY_PREFIX:
+            # the siblings' prompt ids: the checkpoint wrote every shard of the category
+            assignment = shards.read_assignment(Path(args.tokenized).parent, shard.num_shards)
+        migration = journal.ensure_layout(
+            args.journal_dir, args.category, shard.num_shards, assignment
+        )
     sj = journal.ShardJournal(args.journal_dir, args.category, args.shard)
     index = sj.open(want)
     material = redact(keys.generation_material(gen))
@@ -324,6 +334,9 @@ async def generate(job: Job, missing: list[Item], frontier=None, follow=None) ->
     possible, `frontier()` the items still to send after an engine restart."""
     args, gen, meta, clock, stats, api = job.args, job.gen, job.meta, job.clock, job.stats, job.api
     managed = gen.managed
+    # Prompts that share a prefix go back to back, while the engine's cache holds it; the
+    # output is written in prompt_id order whatever the order they were answered in.
+    missing = prefix_reuse.dispatch_order(missing)
     key = api_key(gen)
     secrets = [key] if key else []
     stop_ids, meta["stop_token_ids_from"] = resolve_stop_ids(

@@ -764,36 +764,55 @@ def _record_files(d: Path) -> list[Path]:
     )
 
 
-def ensure_layout(journal_dir, category: str, num_shards: int) -> dict | None:
-    """Make the category's journal sharded like the tokenized shards (`num_shards`).
+def ensure_layout(
+    journal_dir, category: str, num_shards: int, assignment: shards.Assignment | None = None
+) -> dict | None:
+    """Make the category's journal sharded like the tokenized shards: `num_shards` by the
+    prompt_id's hash, or by `assignment` (shard_by: prefix, its digest in journal.json).
 
     Cheap when it already is (one small file read). Otherwise, under the category lock, the
     first job moves every record whose prompt_id now belongs to another shard into that shard's
-    files, once, and records the new count in journal.json. Returns the migration's stats, or
+    files, once, and records the new layout in journal.json. Returns the migration's stats, or
     None when nothing had to move.
     """
     d = Path(journal_dir) / category
-    manifest = read_manifest(d)
-    if manifest is not None and manifest.get("num_shards") == num_shards:
+    digest = assignment.digest if assignment is not None else None
+
+    def laid_out(manifest) -> bool:
+        return (
+            manifest is not None
+            and manifest.get("num_shards") == num_shards
+            and manifest.get("assignment") == digest
+        )
+
+    if laid_out(read_manifest(d)):
         return None
     with _locked(d):
         manifest = read_manifest(d)
-        if manifest is not None and manifest.get("num_shards") == num_shards:
+        if laid_out(manifest):
             return None  # another job migrated while we waited
         migrations = (manifest or {}).get("migrations") or []
         stats = None
         if _record_files(d):
-            stats = _migrate(d, num_shards)
+            stats = _migrate(d, num_shards, assignment)
             stats["from_shards"] = (manifest or {}).get("num_shards")
+            stats["from_assignment"] = (manifest or {}).get("assignment")
+            stats["assignment"] = digest
             migrations = migrations + [stats]
             log.info("journal %s: sharded by %d now (%s)", d, num_shards, json.dumps(stats))
         new = {"format": LAYOUT_FORMAT, "num_shards": num_shards, "migrations": migrations}
+        if digest is not None:
+            new["assignment"] = digest
         _write_manifest(d, new)
         return stats
 
 
-def _target(prompt_id: str | None, prefix: str, n: int) -> str:
+def _target(
+    prompt_id: str | None, prefix: str, n: int, assignment: shards.Assignment | None = None
+) -> str:
     try:
+        if assignment is not None and prompt_id:
+            return shards.shard_name(assignment.shard_of(prompt_id))
         return shards.shard_name(shards.shard_of(prompt_id or "", n))
     except ValueError:
         # No shard can hold it (tokenize rejects such ids): keep it near where it was.
@@ -827,7 +846,7 @@ def _prompt_ids(path: Path) -> Iterator[str | None]:
         yield from pf.read_row_group(g, columns=["prompt_id"]).column(0).to_pylist()
 
 
-def _migrate(d: Path, n: int) -> dict:
+def _migrate(d: Path, n: int, assignment: shards.Assignment | None = None) -> dict:
     t0 = time.monotonic()
     for old in d.glob(".*.migrated-*.tmp"):  # left by a killed migration
         old.unlink(missing_ok=True)
@@ -840,10 +859,12 @@ def _migrate(d: Path, n: int) -> dict:
             nbytes += _size(path)
             prefix = _shard_of_name(path.name)
             stays = prefix.isdigit() and shards.shard_name(int(prefix) % n) == prefix
-            if stays and all(_target(p, prefix, n) == prefix for p in _prompt_ids(path)):
+            if stays and all(
+                _target(p, prefix, n, assignment) == prefix for p in _prompt_ids(path)
+            ):
                 continue  # every record is already in its shard's file
             for line, pid in _file_lines(path):
-                target = _target(pid, prefix, n)
+                target = _target(pid, prefix, n, assignment)
                 if target not in outs:
                     tmp = d / f".{target}.migrated-{stamp}.jsonl.tmp"
                     outs[target] = (tmp, open(tmp, "wb", buffering=1 << 20))  # noqa: SIM115

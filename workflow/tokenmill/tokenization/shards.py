@@ -1,20 +1,40 @@
-"""Stable shard assignment: a prompt's shard is a function of its prompt_id alone.
+"""Which shard a prompt goes to (categories.C.shard_by).
 
-prompt_ids are hex sha256 prefixes (formats.prompt_id), so their first 16 hex digits are a
-uniform 64-bit number. Editing one prompt changes its prompt_id and therefore moves it into one
-(possibly different) shard; every other prompt stays where it was.
+prompt_id (the default): a function of the prompt_id alone. prompt_ids are hex sha256 prefixes
+(formats.prompt_id), so their first 16 hex digits are a uniform 64-bit number. Editing one prompt
+changes its prompt_id and therefore moves it into one (possibly different) shard; every other
+prompt stays where it was.
+
+prefix (opt-in; not yet exercised by a whole-run test): prompts that share a prefix share
+a shard, so that the shard's engine serves it from its prefix cache (prefix_reuse.affine_shards
+over the category's prompts, each shard within prefix_reuse.BALANCE of the mean). It needs the
+whole category before any row is placed; adding prompts moves few others. A rejected prompt
+(no tokens to share) keeps its prompt_id's shard. The journal follows either assignment
+(generate/journal.ensure_layout): a sample is paid for once wherever its prompt moves.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import pyarrow.parquet as pq
+
+from tokenmill import contracts, prefix_reuse
 from tokenmill.layout import shard_name, shard_names  # noqa: F401 - their owner: the layout
+
+BY_PREFIX, BY_PROMPT_ID = "prefix", "prompt_id"
+SHARD_BY = (BY_PREFIX, BY_PROMPT_ID)
+# The assignment's key of a prompt: a hash per 64 tokens of its first 4,096 (8 bytes per 64
+# tokens held for the whole category; longer shared prefixes are together already at 4,096).
+ASSIGN_BLOCK, ASSIGN_TOKENS = 64, 4096
 
 
 def shard_of(prompt_id: str, n: int) -> int:
-    """The shard of `prompt_id` among `n` shards. Raises ValueError for a non-hex id."""
+    """The shard of `prompt_id` among `n` shards by its hash. Raises ValueError for a non-hex id."""
     if n < 1:
         raise ValueError(f"number of shards must be >= 1, got {n}")
     head = prompt_id[:16]
@@ -23,5 +43,49 @@ def shard_of(prompt_id: str, n: int) -> int:
     return int(head, 16) % n
 
 
+def assignment_key(ids) -> bytes:
+    return prefix_reuse.dispatch_key(np.asarray(ids)[:ASSIGN_TOKENS], ASSIGN_BLOCK)
+
+
+def assign(keys: list[bytes], n: int) -> list[int]:
+    """The prefix-affine shard of each prompt, from its assignment_key (category order)."""
+    return prefix_reuse.affine_shards(keys, n)
+
+
 def shard_path(out_dir: str | os.PathLike, shard: int) -> Path:
     return Path(out_dir) / f"{shard_name(shard)}.parquet"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Where a category's tokenized shards placed each prompt (read back from the shards), and
+    a digest of it: the journal is laid out by it."""
+
+    shard_by: str
+    num_shards: int
+    by_prompt_id: dict[str, int]
+    digest: str
+
+    def shard_of(self, prompt_id: str) -> int:
+        """The shard of a prompt; one the shards do not hold goes by its prompt_id's hash."""
+        s = self.by_prompt_id.get(prompt_id)
+        return s if s is not None else shard_of(prompt_id, self.num_shards)
+
+
+def read_assignment(tokenized_dir, num_shards: int) -> Assignment:
+    """The assignment of a category whose shards were placed by prefix: every shard's
+    prompt_id column (a few bytes per prompt)."""
+    by_pid: dict[str, int] = {}
+    h = hashlib.sha256()
+    for i in range(num_shards):
+        pids = pq.read_table(shard_path(tokenized_dir, i), columns=["prompt_id"]).column(0)
+        for pid in pids.to_pylist():
+            by_pid[pid] = i
+    for pid in sorted(by_pid):
+        h.update(f"{pid}:{by_pid[pid]}\n".encode())
+    return Assignment(BY_PREFIX, num_shards, by_pid, h.hexdigest()[:32])
+
+
+def shard_by_of(metadata: dict) -> str:
+    """How a tokenized shard's rows were placed (shards written before shard_by: by prompt_id)."""
+    return metadata.get(contracts.META_SHARD_BY) or BY_PROMPT_ID

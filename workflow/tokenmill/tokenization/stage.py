@@ -287,9 +287,9 @@ class ShardSpill(ShardCounts):
     thousands of open files.
     """
 
-    def __init__(self, spill_dir: Path, shard: int):
+    def __init__(self, spill_dir: Path, shard: int, name: str | None = None):
         super().__init__()
-        self._prefix = spill_dir / shards.shard_name(shard)
+        self._prefix = spill_dir / (name or shards.shard_name(shard))
         self._files: list[Path] = []
         self._buffer: list[pa.Table] = []
         self._rows = 0
@@ -336,6 +336,32 @@ class ShardSpill(ShardCounts):
                 yield pa.ipc.open_file(source).get_batch(0)
 
 
+class Gathered:
+    """shard_by: prefix. Every kept row in category (prompt_id) order, spilled, and each row's
+    assignment key: a row's shard is known only once the whole category is (shards.assign)."""
+
+    def __init__(self, spill_dir: Path):
+        self.spill = ShardSpill(spill_dir, 0, name="all")
+        self.keys: list[bytes] = []
+
+    def add(self, table: pa.Table, values: np.ndarray, offsets: np.ndarray) -> None:
+        self.spill.add(table)
+        self.keys += [shards.assignment_key(values[offsets[i] : offsets[i + 1]])
+                      for i in range(table.num_rows)]  # fmt: skip
+
+    def place(self, spills: list[ShardSpill]) -> None:
+        """Hand every row to its shard, in order: each shard stays in prompt_id order."""
+        self.spill.finish()
+        placed = np.asarray(shards.assign(self.keys, len(spills)), dtype=np.int64)
+        for s, n in enumerate(np.bincount(placed, minlength=len(spills))):
+            spills[s].records_in += int(n)
+        start = 0
+        for batch in self.spill.row_groups():
+            table = pa.Table.from_batches([batch])
+            _to_spills(table, placed[start : start + table.num_rows], spills)
+            start += table.num_rows
+
+
 # ---------------------------------------------------------------------------------------------
 # The stage
 
@@ -380,9 +406,14 @@ class Rows:
     counts (the category's Summary and every shard's in = kept + rejected), and the rejected
     rows, written to the rejected file in groups."""
 
-    def __init__(self, summary, counts: list[ShardCounts], max_prompt_tokens: int, writer):
+    def __init__(
+        self, summary, counts: list[ShardCounts], max_prompt_tokens: int, writer, placed_later=False
+    ):
         self.summary, self.counts, self.writer = summary, counts, writer
         self.max_prompt_tokens = max_prompt_tokens
+        # shard_by: prefix: a kept row's shard is counted once placed; a rejected row stays in
+        # its prompt_id's shard
+        self.placed_later = placed_later
         self.previous: str | None = None
         self.rejected: list[dict] = []
 
@@ -399,7 +430,7 @@ class Rows:
             shard = shards.shard_of(pid, len(self.counts))
         except ValueError as exc:
             reason, detail = INVALID_PROMPT_ID, str(exc)
-        if shard >= 0:
+        if shard >= 0 and not self.placed_later:
             self.counts[shard].records_in += 1
         if reason is None and pid == self.previous:
             reason, detail = DUPLICATE_PROMPT_ID, "the same prompt_id appears more than once"
@@ -420,6 +451,7 @@ class Rows:
         self.summary.rejected += 1
         self.summary.reasons[reason] += 1
         if shard >= 0:
+            self.counts[shard].records_in += self.placed_later
             self.counts[shard].rejected += 1
         record = _record_json(messages_json, tools_json)
         category = self.summary.category
@@ -494,8 +526,10 @@ def tokenize_category(
     model_vocab: tuple[int | None, str] = (None, ""),
     stop_tokens: list | None = None,
     think_end_token: str | None = None,
+    shard_by: str = shards.BY_PROMPT_ID,
 ) -> Summary:
     """Run the stage end to end; returns the counts. `tokenizer`: an already loaded one.
+    `shard_by`: categories.C.shard_by (tokenization/shards.py; the pipeline always gives it).
     `model_vocab`: (vocab_size, where it was read) of the model, checked against every id.
     `stop_tokens`: generation.stop_tokens, resolved to ids into every shard's metadata.
     `think_end_token`: dataset.think_end_token (conversation categories split answers at it)."""
@@ -508,6 +542,8 @@ def tokenize_category(
     tok = as_section(tok_cfg, "tokenizer")
     if num_shards < 1:
         raise TokenizeError(f"--shards must be >= 1, got {num_shards}")
+    if shard_by not in shards.SHARD_BY:
+        raise TokenizeError(f"--shard-by must be one of {list(shards.SHARD_BY)}, got {shard_by!r}")
     if max_prompt_tokens < 1:
         raise TokenizeError(f"--max-prompt-tokens must be >= 1, got {max_prompt_tokens}")
     start = time.monotonic()
@@ -535,6 +571,11 @@ def tokenize_category(
         META_NUM_SHARDS: str(num_shards),
         META_MAX_PROMPT_TOKENS: str(max_prompt_tokens),
     }
+    # One shard holds every row either way; by prompt_id the files stay as they were before
+    # shard_by existed (no key), so an upgrade reruns nothing downstream.
+    placed_later = shard_by == shards.BY_PREFIX and num_shards > 1
+    if placed_later:
+        common_meta[contracts.META_SHARD_BY] = shard_by
     if stop_tokens is not None:
         try:
             stop_ids = resolve_token_ids(tokenizer, stop_tokens)
@@ -547,15 +588,16 @@ def tokenize_category(
         common_meta[contracts.META_CONTEXT] = contracts.CONTEXT_REGENERATED
         return _tokenize_conversations(
             pf, tokenizer, tok, common_meta, summary, num_shards, max_prompt_tokens,
-            out_dir, rejected_path, think_end_token, start,
+            out_dir, rejected_path, think_end_token, start, placed_later,
         )  # fmt: skip
     try:
         spills = [ShardSpill(spill_dir, i) for i in range(num_shards)]
+        gathered = Gathered(spill_dir) if placed_later else None
         rejected_writer = contracts.ParquetWriter(
             rejected_path, contracts.REJECTED, STAGE, common_meta
         )
         with rejected_writer:
-            rows = Rows(summary, spills, max_prompt_tokens, rejected_writer)
+            rows = Rows(summary, spills, max_prompt_tokens, rejected_writer, placed_later)
             batches = pf.iter_batches(
                 batch_size=chunk_rows, columns=["prompt_id", "source", "messages", "tools"]
             )
@@ -566,12 +608,14 @@ def tokenize_category(
                 for batch, result in results:
                     if vocab is not None:
                         _check_vocab(batch, result, vocab, vocab_source)
-                    _route(batch, result, rows, spills)
+                    _route(batch, result, rows, spills, gathered)
                     rows.flush()
                     if time.monotonic() - last_report > 30:
                         last_report = time.monotonic()
                         print(f"tokenize {category}: {summary.records_in} prompts", flush=True)
             rows.finish()
+        if gathered is not None:
+            gathered.place(spills)
         for i, spill in enumerate(spills):
             spill.finish()
             writer = contracts.ParquetWriter(
@@ -601,8 +645,9 @@ def _check_vocab(batch, result: ChunkResult, vocab: int, source: str) -> None:
         )
 
 
-def _route(batch, result, rows: Rows, spills: list[ShardSpill]) -> None:
-    """Check every row of a batch (Rows), reject, and hand kept rows to their shard."""
+def _route(batch, result, rows: Rows, spills: list[ShardSpill], gathered=None) -> None:
+    """Check every row of a batch (Rows), reject, and hand kept rows to their shard (or, with
+    `gathered`, to the category's spill, to be placed at the end)."""
     ids = batch.column("prompt_id").to_pylist()
     n = len(ids)
     offsets = np.zeros(n + 1, dtype=np.int64)
@@ -644,10 +689,17 @@ def _route(batch, result, rows: Rows, spills: list[ShardSpill]) -> None:
         schema=contracts.TOKENIZED,
     )
     rows.kept(int(lengths.sum()), len(kept_idx))
-    kept_shards = shard_arr[kept_idx]
-    order = np.argsort(kept_shards, kind="stable")
+    if gathered is not None:
+        gathered.add(table, values, list_offsets)
+    else:
+        _to_spills(table, shard_arr[kept_idx], spills)
+
+
+def _to_spills(table: pa.Table, shard_of_row: np.ndarray, spills: list[ShardSpill]) -> None:
+    """Each row of `table` to the spill of its shard, keeping the rows' order in each."""
+    order = np.argsort(shard_of_row, kind="stable")
     table = table.take(pa.array(order))
-    sorted_shards = kept_shards[order]
+    sorted_shards = shard_of_row[order]
     bounds = np.flatnonzero(np.diff(sorted_shards)) + 1
     for lo, hi in zip(
         np.concatenate([[0], bounds]), np.concatenate([bounds, [len(order)]]), strict=True
@@ -661,7 +713,7 @@ def _route(batch, result, rows: Rows, spills: list[ShardSpill]) -> None:
 
 def _tokenize_conversations(
     pf, tokenizer, tok, common_meta, summary, num_shards, max_prompt_tokens, out_dir,
-    rejected_path, think_end_token, start,
+    rejected_path, think_end_token, start, placed_later=False,
 ) -> Summary:  # fmt: skip
     """One TOKENIZED_CONVERSATIONS row per conversation, in the shard of its prompt_id: the
     variant of the prompt path that encodes a whole conversation per row (checks, counts,
@@ -692,8 +744,9 @@ def _tokenize_conversations(
     kept: list[list[dict]] = [[] for _ in range(num_shards)]
     counts = [ShardCounts() for _ in range(num_shards)]
     cols = ["prompt_id", "source", "messages", "tools"]
+    keys: list[bytes] = []  # placed_later: each kept conversation's first turn's key
     with contracts.ParquetWriter(rejected_path, contracts.REJECTED, STAGE, common_meta) as w:
-        rows = Rows(summary, counts, max_prompt_tokens, w)
+        rows = Rows(summary, counts, max_prompt_tokens, w, placed_later)
         for batch in pf.iter_batches(batch_size=CHUNK_ROWS, columns=cols):
             for pid, source, messages_json, tools_json in zip(
                 *(batch.column(c).to_pylist() for c in cols), strict=True
@@ -719,14 +772,25 @@ def _tokenize_conversations(
                     rows.reject(shard, reason, detail, source, pid, messages_json, tools_json)
                     continue
                 rows.kept(n)
-                counts[shard].kept += 1
-                counts[shard].tokens += n
+                if placed_later:
+                    shard = 0  # placed below, once every conversation is known
+                    keys.append(shards.assignment_key(pieces["prompt_ids"]))
+                else:
+                    counts[shard].kept += 1
+                    counts[shard].tokens += n
                 kept[shard].append(
                     {"prompt_id": pid, "num_prompt_tokens": n, "messages": messages_json,
                      "tools": tools_json, **pieces}
                 )  # fmt: skip
             rows.flush()
         rows.finish()
+    if placed_later:
+        gathered, kept = kept[0], [[] for _ in range(num_shards)]
+        for row, s in zip(gathered, shards.assign(keys, num_shards), strict=True):
+            kept[s].append(row)  # in prompt_id order within each shard
+            counts[s].records_in += 1
+            counts[s].kept += 1
+            counts[s].tokens += row["num_prompt_tokens"]
     for i in range(num_shards):
         table = pa.Table.from_pylist(kept[i], schema=contracts.TOKENIZED_CONVERSATIONS)
         contracts.write_table(
@@ -774,6 +838,13 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--category", required=True)
     parser.add_argument("--shards", type=int, required=True, help="number of shard files")
+    parser.add_argument(
+        "--shard-by",
+        choices=shards.SHARD_BY,
+        required=True,
+        help="categories.C.shard_by: prefix (prompts sharing a prefix share a shard) or "
+        "prompt_id (a hash of it)",
+    )
     parser.add_argument(
         "--tokenizer-config", required=True, help="the tokenizer section as JSON (or a JSON file)"
     )
@@ -840,6 +911,7 @@ def main(argv: list[str]) -> int:
             model_vocab=model_vocab,
             stop_tokens=stop_tokens,
             think_end_token=args.think_end_token or None,
+            shard_by=args.shard_by,
         )
     except (TokenizeError, OSError, ValueError) as exc:
         print(f"tokenmill tokenize: error: {exc}", file=sys.stderr)
