@@ -172,3 +172,21 @@ def test_the_dispatch_order_keeps_prompts_that_share_blocks_together():
     assert pr.dispatch_key([1, 2, 3]) != pr.dispatch_key([1, 2, 3, 0])
     assert pr.dispatch_key(range(16)) != pr.dispatch_key(list(range(15)) + [16])
     assert len(pr.dispatch_key(range(40))) == 8 * 3
+
+
+def test_the_dispatch_order_stays_within_each_window():
+    import numpy as np
+
+    class It:
+        def __init__(self, p, w):
+            self.p, self.w = p, w
+
+        def ids(self):
+            return np.asarray(self.p)
+
+    items = [It([1, 2, 9 - i % 3], i // 6) for i in range(12)]  # two windows of six
+    ordered = pr.dispatch_order(items, window=lambda it: it.w)
+    assert [it.w for it in ordered] == [0] * 6 + [1] * 6
+    assert [it.p[2] for it in ordered[:6]] == [7, 7, 8, 8, 9, 9] or len(
+        {tuple(it.p) for it in ordered[:2]}
+    ) == 1

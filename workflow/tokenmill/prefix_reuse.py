@@ -80,16 +80,17 @@ def reusable(k: bytes, shared: int, block: int) -> int:
     return min(shared, tokens(k) - 1) // block * block if k else 0
 
 
-def trie_order(keys: Sequence[bytes]) -> list[int]:
+def trie_order(keys: Sequence) -> list[int]:
     """The positions of `keys` in a depth-first walk of their trie (deterministic)."""
     return sorted(range(len(keys)), key=lambda i: (keys[i], i))
 
 
-def dispatch_order(items: list, ids=lambda item: item.ids()) -> list:
+def dispatch_order(items: list, ids=lambda item: item.ids(), window=lambda item: 0) -> list:
     """`items` in the order a job sends them: the trie order of their prompts' dispatch keys, so
     prompts that share a prefix are sent back to back while the engine holds it. Stable (equal
-    prompts keep their order)."""
-    keys = [dispatch_key(ids(it)) for it in items]
+    prompts keep their order). `window(item)`: items are ordered within each window, windows in
+    order (a job reads its prompts a few row groups at a time)."""
+    keys = [(window(it), dispatch_key(ids(it))) for it in items]
     return [items[i] for i in trie_order(keys)]
 
 

@@ -182,6 +182,12 @@ class ShardItem(Item):
     def ids(self) -> np.ndarray:
         return self._shard.ids(self._i)
 
+    def window(self) -> int:
+        """The cached row groups this prompt is read with: a job orders its queue within each
+        such window, so building a request never decodes a row group again."""
+        g = int(np.searchsorted(self._shard.starts, self._i, side="right")) - 1
+        return g // PROMPT_ROW_GROUPS_CACHED
+
 
 def check_vocab(shard: Shard, gen: GenerationSettings, basedir: str, meta: dict) -> None:
     """Refuse to send a prompt id the model cannot embed: SGLang's scheduler dies on one (a
@@ -336,7 +342,9 @@ async def generate(job: Job, missing: list[Item], frontier=None, follow=None) ->
     managed = gen.managed
     # Prompts that share a prefix go back to back, while the engine's cache holds it; the
     # output is written in prompt_id order whatever the order they were answered in.
-    missing = prefix_reuse.dispatch_order(missing)
+    missing = prefix_reuse.dispatch_order(
+        missing, window=lambda it: it.window() if isinstance(it, ShardItem) else 0
+    )
     key = api_key(gen)
     secrets = [key] if key else []
     stop_ids, meta["stop_token_ids_from"] = resolve_stop_ids(
