@@ -29,6 +29,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -92,7 +93,8 @@ class Server:
         args = [a if a != "2048" else "1024" for a in args]  # --max-model-len: 8 blocks
         args += ["--enable-prompt-tokens-details", "--num-gpu-blocks-override", str(blocks)]
         env = os.environ | vllm_cpu_env() | {"VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache
-        self.log = open(REPO / "benchmarks" / ".bench_prefix_cache.server.log", "w")  # noqa: SIM115
+        log = Path(tempfile.gettempdir()) / "bench_prefix_cache.server.log"
+        self.log = open(log, "w")  # noqa: SIM115
         self.proc = subprocess.Popen([vllm_python(), *args], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)  # fmt: skip
         t0 = time.monotonic()
