@@ -161,3 +161,48 @@ def test_changing_max_new_tokens_regenerates_and_restoring_costs_nothing(demo):
     _, sent = run(workdir, None)
     assert_published_as_declared(workdir, config)
     assert sent == 0
+
+
+def dataset_rows(workdir: Path, config: dict) -> dict[str, dict[str, tuple]]:
+    """category -> sample_key -> (shard, input_ids) of the published dataset."""
+    settings = Settings.from_config(config)
+    out: dict[str, dict[str, tuple]] = {}
+    for category, shards in layout.declared(settings).items():
+        rows = out.setdefault(category, {})
+        for shard in shards:
+            path = workdir / settings.results_dir / "dataset" / category / f"{shard}.parquet"
+            t = pq.read_table(path, columns=["prompt_id", "sample_key", "input_ids"])
+            ids = t.column("prompt_id").to_pylist()
+            assert ids == sorted(ids), f"{category}/{shard}: not in prompt_id order"
+            for key, input_ids in zip(
+                t.column("sample_key").to_pylist(), t.column("input_ids").to_pylist(), strict=True
+            ):
+                rows[key] = (shard, input_ids)
+    return out
+
+
+def test_sharding_by_prefix_moves_rows_without_a_request_and_back(demo):
+    """shard_by: prefix on the categories whose prompts share tool declarations: the rows move
+    to other shards (the journal follows them by the assignment's digest), no request is sent,
+    and every row and token is as before; back to prompt_id shards, again no request."""
+    workdir, config = demo
+    before = dataset_rows(workdir, config)
+    changed = json.loads(json.dumps(config))
+    for category in ("function_calling", "agent"):
+        changed["categories"][category]["shard_by"] = "prefix"
+    _, sent = run(workdir, changed)
+    assert_published_as_declared(workdir, changed)
+    assert sent == 0
+    after = dataset_rows(workdir, changed)
+    for category, rows in before.items():
+        assert {k: v[1] for k, v in after[category].items()} == {
+            k: v[1] for k, v in rows.items()
+        }, category
+    moved = sum(
+        after["function_calling"][k][0] != s for k, (s, _) in before["function_calling"].items()
+    )
+    assert moved > 0, "no row changed shard: the test shows nothing"
+    _, sent = run(workdir, None)
+    assert_published_as_declared(workdir, config)
+    assert sent == 0
+    assert dataset_rows(workdir, config) == before

@@ -550,3 +550,63 @@ def test_a_hub_id_missing_from_the_cache_is_a_clear_error(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="no-such-org/no-such-model"):
         tokenizer_dir(tok_cfg("no-such-org/no-such-model"), tmp_path)
+
+
+def _system_prompt_convs(groups: int, per_group: int):
+    """Prompts in `groups` families, each opening with its own long system prompt."""
+    convs = []
+    for g in range(groups):
+        system = f"family {g}: " + " ".join(f"rule{g}x{k} is binding." for k in range(40))
+        for i in range(per_group):
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"question {i} of family {g}"},
+            ]
+            convs.append((messages, None))
+    return convs
+
+
+def test_shard_by_prefix_keeps_families_together_and_writes_the_assignment(
+    tmp_path, tiny_tokenizer_dir
+):
+    rows = prompt_rows(_system_prompt_convs(groups=8, per_group=25))
+    rows.append(rows[0] | {"prompt_id": "not-hex"})  # a rejected row keeps its hash shard
+    rows.sort(key=lambda r: r["prompt_id"])
+    cfg = tok_cfg(tiny_tokenizer_dir)
+    n = 4
+    by_id, _, _ = run_stage(tmp_path, "by_id", rows, cfg, n_shards=n, shard_by="prompt_id")
+    a, rej, summary = run_stage(tmp_path, "a", rows, cfg, n_shards=n, shard_by="prefix")
+    b, _, _ = run_stage(tmp_path, "b", rows, cfg, n_shards=n, shard_by="prefix", chunk_rows=7)
+    assert shard_digests(a, n) == shard_digests(b, n), "deterministic, whatever the chunks"
+    assert summary.kept == 200 and summary.rejected == 1
+
+    def table(out):
+        return {
+            r["prompt_id"]: r["prompt_ids"]
+            for i in range(n)
+            for r in pq.read_table(shards.shard_path(out, i)).to_pylist()
+        }
+
+    assert table(a) == table(by_id), "the same rows and ids, only placed elsewhere"
+    family_shards: dict[str, set] = {}
+    digests = set()
+    for i in range(n):
+        path = shards.shard_path(a, i)
+        t = pq.read_table(path)
+        meta = contracts.read_metadata(path)
+        assert meta[contracts.META_SHARD_BY] == "prefix"
+        digests.add(meta[contracts.META_ASSIGNMENT])
+        ids = t["prompt_id"].to_pylist()
+        assert ids == sorted(ids)
+        assert abs(t.num_rows - 50) <= 5, "within 10 % of the mean"
+        assert int(meta["tokenmill.records_in"]) == t.num_rows  # "not-hex" has no shard
+        for prompt in t["prompt_ids"].to_pylist():
+            family_shards.setdefault(tuple(prompt[:40]), set()).add(i)
+    assert len(family_shards) == 8
+    assert sum(len(s) for s in family_shards.values()) <= 8 + n - 1, family_shards
+    # The digest written by tokenize is the one read back from the shards' prompt ids.
+    (digest,) = digests
+    assert shards.Assignment(a, n).digest == digest
+    assert shards.assignment_of(shards.shard_path(a, 0), meta, n).digest == digest
+    assert pq.read_table(rej).column("reason").to_pylist() == [tk.INVALID_PROMPT_ID]
+    assert shards.assignment_of(shards.shard_path(by_id, 0), {}, n) is None

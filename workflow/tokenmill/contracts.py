@@ -62,6 +62,8 @@ META_SOURCE_RECORDS = "tokenmill.source_records"
 META_NUM_SHARDS = "tokenmill.num_shards"
 # how rows were placed in shards: prefix | prompt_id (tokenization/shards.py)
 META_SHARD_BY = "tokenmill.shard_by"
+# shard_by: prefix: the digest of where every prompt of the category was placed
+META_ASSIGNMENT = "tokenmill.assignment"
 META_MAX_PROMPT_TOKENS = "tokenmill.max_prompt_tokens"
 META_PROMPT_TOKENS = "tokenmill.prompt_tokens"
 META_STOP_TOKENS = "tokenmill.stop_tokens"

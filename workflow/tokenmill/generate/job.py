@@ -266,10 +266,9 @@ def open_job(args, gen: GenerationSettings, tok_cfg: TokenizerSettings, meta: di
     want = wanted(shard, pre_rejected)
     migration = None
     if shard.num_shards is not None:
-        assignment = None
-        if shards.shard_by_of(shard.metadata) == shards.BY_PREFIX:
-            # the siblings' prompt ids: the checkpoint wrote every shard of the category
-            assignment = shards.read_assignment(Path(args.tokenized).parent, shard.num_shards)
+        # shard_by: prefix: the siblings' prompt ids are read only if the journal must move
+        # (the tokenize checkpoint wrote every shard of the category)
+        assignment = shards.assignment_of(args.tokenized, shard.metadata, shard.num_shards)
         migration = journal.ensure_layout(
             args.journal_dir, args.category, shard.num_shards, assignment
         )

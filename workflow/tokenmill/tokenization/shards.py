@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -56,34 +56,66 @@ def shard_path(out_dir: str | os.PathLike, shard: int) -> Path:
     return Path(out_dir) / f"{shard_name(shard)}.parquet"
 
 
-@dataclass(frozen=True)
-class Assignment:
-    """Where a category's tokenized shards placed each prompt (read back from the shards), and
-    a digest of it: the journal is laid out by it."""
+class AssignmentDigest:
+    """The digest of a prefix assignment: sha256 over "prompt_id:shard" lines in prompt_id
+    order. Tokenize computes it as it places the rows and writes it into every shard's
+    metadata (contracts.META_ASSIGNMENT); the journal is laid out by it."""
 
-    shard_by: str
-    num_shards: int
-    by_prompt_id: dict[str, int]
-    digest: str
+    def __init__(self):
+        self._h = hashlib.sha256()
+
+    def add(self, prompt_ids: Iterable[str], placed: Iterable[int]) -> None:
+        """Rows in prompt_id order."""
+        self._h.update(
+            "".join(f"{p}:{s}\n" for p, s in zip(prompt_ids, placed, strict=True)).encode()
+        )
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()[:32]
+
+
+class Assignment:
+    """Where a category's tokenized shards placed each prompt (shard_by: prefix), by its digest.
+    The prompt-to-shard map is read from every shard's prompt_id column only when asked for (a
+    journal that must move records): a job whose journal is laid out by the same digest reads
+    nothing but its own shard's metadata."""
+
+    def __init__(self, tokenized_dir, num_shards: int, digest: str | None = None):
+        self.shard_by, self.num_shards = BY_PREFIX, num_shards
+        self._dir, self._digest = Path(tokenized_dir), digest
+        self._by_prompt_id: dict[str, int] | None = None
+
+    @property
+    def digest(self) -> str:
+        if self._digest is None:  # shards written before the digest was in their metadata
+            self._read()
+        return self._digest
 
     def shard_of(self, prompt_id: str) -> int:
         """The shard of a prompt; one the shards do not hold goes by its prompt_id's hash."""
-        s = self.by_prompt_id.get(prompt_id)
+        if self._by_prompt_id is None:
+            self._read()
+        s = self._by_prompt_id.get(prompt_id)
         return s if s is not None else shard_of(prompt_id, self.num_shards)
 
+    def _read(self) -> None:
+        by_pid: dict[str, int] = {}
+        for i in range(self.num_shards):
+            pids = pq.read_table(shard_path(self._dir, i), columns=["prompt_id"]).column(0)
+            by_pid.update(dict.fromkeys(pids.to_pylist(), i))
+        digest = AssignmentDigest()
+        order = sorted(by_pid)
+        digest.add(order, (by_pid[p] for p in order))
+        self._digest = self._digest or digest.hexdigest()
+        self._by_prompt_id = by_pid
 
-def read_assignment(tokenized_dir, num_shards: int) -> Assignment:
-    """The assignment of a category whose shards were placed by prefix: every shard's
-    prompt_id column (a few bytes per prompt)."""
-    by_pid: dict[str, int] = {}
-    h = hashlib.sha256()
-    for i in range(num_shards):
-        pids = pq.read_table(shard_path(tokenized_dir, i), columns=["prompt_id"]).column(0)
-        for pid in pids.to_pylist():
-            by_pid[pid] = i
-    for pid in sorted(by_pid):
-        h.update(f"{pid}:{by_pid[pid]}\n".encode())
-    return Assignment(BY_PREFIX, num_shards, by_pid, h.hexdigest()[:32])
+
+def assignment_of(tokenized_path, metadata: dict, num_shards: int) -> Assignment | None:
+    """The assignment a tokenized shard belongs to (None: placed by the prompt_id's hash)."""
+    if shard_by_of(metadata) != BY_PREFIX:
+        return None
+    digest = metadata.get(contracts.META_ASSIGNMENT)
+    return Assignment(Path(tokenized_path).parent, num_shards, digest)
 
 
 def shard_by_of(metadata: dict) -> str:

@@ -349,17 +349,22 @@ class Gathered:
         self.keys += [shards.assignment_key(values[offsets[i] : offsets[i + 1]])
                       for i in range(table.num_rows)]  # fmt: skip
 
-    def place(self, spills: list[ShardSpill]) -> None:
-        """Hand every row to its shard, in order: each shard stays in prompt_id order."""
+    def place(self, spills: list[ShardSpill]) -> str:
+        """Hand every row to its shard, in order: each shard stays in prompt_id order. Returns
+        the assignment's digest (shards.AssignmentDigest)."""
         self.spill.finish()
         placed = np.asarray(shards.assign(self.keys, len(spills)), dtype=np.int64)
         for s, n in enumerate(np.bincount(placed, minlength=len(spills))):
             spills[s].records_in += int(n)
+        digest = shards.AssignmentDigest()
         start = 0
         for batch in self.spill.row_groups():
             table = pa.Table.from_batches([batch])
-            _to_spills(table, placed[start : start + table.num_rows], spills)
+            here = placed[start : start + table.num_rows]
+            digest.add(table.column("prompt_id").to_pylist(), here.tolist())
+            _to_spills(table, here, spills)
             start += table.num_rows
+        return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -615,7 +620,7 @@ def tokenize_category(
                         print(f"tokenize {category}: {summary.records_in} prompts", flush=True)
             rows.finish()
         if gathered is not None:
-            gathered.place(spills)
+            common_meta[contracts.META_ASSIGNMENT] = gathered.place(spills)
         for i, spill in enumerate(spills):
             spill.finish()
             writer = contracts.ParquetWriter(
@@ -786,7 +791,11 @@ def _tokenize_conversations(
         rows.finish()
     if placed_later:
         gathered, kept = kept[0], [[] for _ in range(num_shards)]
-        for row, s in zip(gathered, shards.assign(keys, num_shards), strict=True):
+        placed = shards.assign(keys, num_shards)
+        digest = shards.AssignmentDigest()
+        digest.add((row["prompt_id"] for row in gathered), placed)
+        common_meta[contracts.META_ASSIGNMENT] = digest.hexdigest()
+        for row, s in zip(gathered, placed, strict=True):
             kept[s].append(row)  # in prompt_id order within each shard
             counts[s].records_in += 1
             counts[s].kept += 1
