@@ -21,6 +21,7 @@ within the last 16 tokens of a prefix aside.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -143,9 +144,10 @@ def sharded_ceiling(shards: Iterable[Iterable[bytes]], block: int) -> Ceiling:
 def affine_shards(keys: Sequence[bytes], n: int, balance: float = BALANCE) -> list[int]:
     """A shard in [0, n) for each key, so that prompts sharing a prefix share a shard: the
     trie order cut into n runs, each cut placed, within `balance` of the mean shard size, where
-    the neighbours across it share the fewest tokens (the nearest such place to the even cut
-    on a tie). Deterministic; adding prompts moves few others, since a cut stays between the
-    same two prompts while that place stays in its window."""
+    the neighbours across it share the fewest tokens (on a tie, the place whose next prompt has
+    the smallest hash: content, not position, decides). Deterministic; adding prompts moves few
+    others, since a cut stays between the same two prompts while that place stays in its
+    window."""
     if n < 1:
         raise ValueError(f"number of shards must be >= 1, got {n}")
     order = trie_order(keys)
@@ -156,13 +158,26 @@ def affine_shards(keys: Sequence[bytes], n: int, balance: float = BALANCE) -> li
     for s in range(1, n):
         even = round(s * size / n)
         lo, hi = max(cuts[-1], even - reach), min(size, even + reach)
-        cuts.append(min(range(lo, hi + 1), key=lambda c: (_at(shared, c), abs(c - even), c)))
+        cuts.append(
+            min(
+                range(lo, hi + 1),
+                key=lambda c: (_at(shared, c), _mark(keys, order, c), abs(c - even), c),
+            )
+        )
     cuts.append(size)
     out = [0] * size
     for s in range(n):
         for i in order[cuts[s] : cuts[s + 1]]:
             out[i] = s
     return out
+
+
+def _mark(keys: Sequence[bytes], order: list[int], c: int) -> bytes:
+    """A tie-break between equally good cuts that depends on the prompt after the cut, not on
+    its position: a prompt added elsewhere shifts the even cuts, not which one wins."""
+    if not 0 < c < len(order):
+        return b"\xff" * 8
+    return hashlib.blake2b(keys[order[c]], digest_size=8).digest()
 
 
 def _at(shared: list[int], c: int) -> int:
