@@ -1,7 +1,7 @@
 """Benchmark: tokenmill tokenize (the whole stage) against the tokenization floor.
 
     /work/main/.venv/bin/python benchmarks/bench_tokenize.py [--prompts 20000] [--shards 8]
-        [--processes 1 2] [--repeat 1]
+        [--processes 1 2] [--shard-by prompt_id prefix] [--repeat 1]
 
 Builds a deterministic synthetic prompts file (multi-turn conversations, tools on every third
 one) for the tiny Kimi-shaped tokenizer, then times, best of --repeat (runs interleaved):
@@ -11,7 +11,9 @@ one) for the tiny Kimi-shaped tokenizer, then times, best of --repeat (runs inte
   stage : tok_stage.tokenize_category end to end (load the tokenizer, fingerprint, read the
           prompts Parquet by batches, encode, shard, spill, write every shard + rejected file)
           with each --processes value (1: in process, Rust batch encode on all cores and a
-          thread that shards and writes; K > 1: K spawned processes, each encoding serially).
+          thread that shards and writes; K > 1: K spawned processes, each encoding serially),
+          and each --shard-by value (prefix: every kept row spilled, then placed by
+          prefix_reuse.affine_shards; tokenization/shards.py).
 Prints wall time, prompts/s, tokens/s and stage/floor (target <= 1.5x), and CPU seconds (all
 threads, and worker processes) as a check that is less sensitive to a busy machine.
 """
@@ -134,6 +136,9 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=20000)
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--shard-by", nargs="+", default=["prompt_id", "prefix"], choices=["prompt_id", "prefix"]
+    )
     parser.add_argument("--repeat", type=int, default=1, help="best of N, runs interleaved")
     args = parser.parse_args()
 
@@ -157,30 +162,34 @@ def main() -> int:
             tokens, wall, cpu = timed(lambda: floor(tok, convs, kwargs, tok_stage.CHUNK_ROWS))
             best["floor"] = min(best.get("floor", (wall, cpu)), (wall, cpu))
             for procs in args.processes:
-                out = tmp / f"out_{procs}_{r}"
-                rejected = tmp / f"rejected_{procs}_{r}.parquet"
-                summary, wall, cpu = timed(
-                    lambda out=out, rejected=rejected, procs=procs: tok_stage.tokenize_category(
-                        prompts, "bench", args.shards, cfg, 1_000_000, out, rejected, workers=procs
-                    )
-                )
-                if summary.prompt_tokens != tokens or summary.kept != n:
-                    print(f"MISMATCH: stage {summary.as_dict()} vs floor {tokens} tokens")
-                    return 1
-                key = f"stage processes={procs}"
-                best[key] = min(best.get(key, (wall, cpu)), (wall, cpu))
+                for by in args.shard_by:
+                    out = tmp / f"out_{procs}_{by}_{r}"
+                    rejected = tmp / f"rejected_{procs}_{by}_{r}.parquet"
+                    summary, wall, cpu = timed(
+                        lambda out=out, rejected=rejected, procs=procs, by=by: (
+                            tok_stage.tokenize_category(
+                                prompts, "bench", args.shards, cfg, 1_000_000, out, rejected,
+                                workers=procs, shard_by=by,
+                            )
+                        )
+                    )  # fmt: skip
+                    if summary.prompt_tokens != tokens or summary.kept != n:
+                        print(f"MISMATCH: stage {summary.as_dict()} vs floor {tokens} tokens")
+                        return 1
+                    key = f"stage p={procs} {by}"
+                    best[key] = min(best.get(key, (wall, cpu)), (wall, cpu))
 
         cores = len(os.sched_getaffinity(0))
         print(f"cores: {cores}  prompts: {n}  prompt tokens: {tokens} ({tokens / n:.0f}/prompt)  "
               f"shards: {args.shards}  best of {args.repeat}  load average: "
               f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}")  # fmt: skip
         head = ["seconds", "prompts/s", "tokens/s", "x floor", "CPU s", "CPU x floor"]
-        print(f"{'':<20}" + "".join(f"{h:>12}" for h in head))
+        print(f"{'':<24}" + "".join(f"{h:>12}" for h in head))
         floor_wall, floor_cpu = best["floor"]
         for key, (wall, cpu) in best.items():
             cells = [wall, n / wall, tokens / wall, wall / floor_wall, cpu, cpu / floor_cpu]
             fmts = [".2f", ".0f", ".0f", ".2f", ".2f", ".2f"]
-            print(f"{key:<20}" + "".join(f"{c:>12{f}}" for c, f in zip(cells, fmts, strict=True)))
+            print(f"{key:<24}" + "".join(f"{c:>12{f}}" for c, f in zip(cells, fmts, strict=True)))
     return 0
 
 
