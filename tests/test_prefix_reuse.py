@@ -209,3 +209,16 @@ def test_the_dispatch_order_stays_within_each_window():
     assert [it.p[2] for it in ordered[:6]] == [7, 7, 8, 8, 9, 9] or len(
         {tuple(it.p) for it in ordered[:2]}
     ) == 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_compact_ceiling_is_exact_in_blocks_and_close_per_token(seed):
+    rng = random.Random(seed)
+    prompts = agent_prompts(rng, declaration=(30, 300))
+    exact = pr.ceiling([pr.key(p) for p in prompts], 32)
+    compact = pr.compact_ceiling([(pr.dispatch_key(p), len(p)) for p in prompts], 32)
+    assert compact.prompt_tokens == exact.prompt_tokens
+    assert compact.per_block == exact.per_block
+    assert exact.per_token - 15 * len(prompts) <= compact.per_token <= exact.per_token
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pr.compact_ceiling([], 20)

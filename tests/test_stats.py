@@ -229,7 +229,10 @@ def test_stats_known_numbers(tmp_path):
         "cached_tokens": 1,
         "prompt_tokens": 7,
         "hit_rate": 0.142857,
-    }
+        # 2-3 token prompts share no whole 16-token unit
+        "ceiling": {"block": 16, "prompt_tokens": 7, "category_per_token": 0.0,
+                    "category_per_block": 0.0, "shards_per_token": 0.0, "shards_per_block": 0.0},
+    }  # fmt: skip
     g = chat["generation"]
     assert (g["wall_time_s"], g["output_tokens"]) == (15.0, 8)
     assert g["output_tokens_per_s"] == pytest.approx(0.533, abs=1e-3)
@@ -373,13 +376,16 @@ def test_unknown_is_null_never_a_made_up_number(tmp_path):
 
     config = json.loads(json.dumps(CONFIG))
     s = _stats(r, config, tmp_path)
-    assert s["categories"]["code"]["prefix_cache"] == {
+    code_cache = s["categories"]["code"]["prefix_cache"]
+    assert code_cache | {"ceiling": None} == {
         "samples": 1,
         "samples_reporting": 0,
         "cached_tokens": None,
         "prompt_tokens": None,
         "hit_rate": None,
+        "ceiling": None,
     }
+    assert code_cache["ceiling"]["prompt_tokens"] == 1  # the ceiling is known without the engine
     # overall: only the chat samples reported
     assert s["overall"]["prefix_cache"]["hit_rate"] == pytest.approx(1 / 7, abs=1e-6)
     g = s["categories"]["chat"]["generation"]
@@ -599,3 +605,36 @@ def test_summary_html_has_every_markdown_table_row_as_escaped_cells(tmp_path):
     assert page.rows == md_rows
     assert any("</think>" in cell for row in page.rows for cell in row)  # shown, not parsed
     assert "think" not in page.tags and "strong" in page.tags  # **all** is bold
+
+
+def test_prefix_cache_ceilings_count_each_prompt_sent(tmp_path):
+    """Over the prompts the generated rows were sent (a prompt sampled twice counts twice; one
+    never generated not at all), per shard as assigned and over the category."""
+    from tokenmill import layout
+
+    lay = layout.Layout(str(tmp_path / "results"), str(tmp_path / "journal"))
+    head = list(range(100, 140))  # 40 shared tokens: 2 whole 16-token units
+    prompts = {
+        "000": {"p1": head + [1], "p2": head + [2]},
+        "001": {"p3": head + [3], "p4": [9] * 60},
+    }
+    sent = {"000": ["p1", "p1", "p2"], "001": ["p3"]}
+    generated = []
+    for shard, ps in prompts.items():
+        write_tokenized(Path(lay.tokenized("agent", shard)), ps, "agent", shard)
+        rows = [gen_row(p, ps[p], [4, 2], key=f"{p}-{i}") for i, p in enumerate(sent[shard])]
+        path = Path(lay.generated("agent", shard))
+        write_generated(path, rows)
+        generated.append(path)
+    category, shards = stats._ceilings(lay, "agent", generated, 32)
+    assert category.prompt_tokens == shards.prompt_tokens == 4 * 41
+    # shard 000: p1 again (40 of 41 tokens), p2 after p1 (32); shard 001: p3 alone (0)
+    assert (shards.per_token, shards.per_block) == (40 + 32, 32 + 32)
+    # one engine for all: p3 after p2 as well
+    assert (category.per_token, category.per_block) == (40 + 32 + 32, 32 + 32 + 32)
+    summary = stats._cache(
+        {"samples": 4, "samples_reporting": 0, "cached_tokens": 0, "prompt_tokens": 0},
+        (category, shards),
+    )
+    assert summary["hit_rate"] is None  # the engine reported nothing: unknown, not 0
+    assert summary["ceiling"]["category_per_block"] == round(96 / 164, 6)

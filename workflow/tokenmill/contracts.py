@@ -985,12 +985,28 @@ class ReasoningCounts(Record):
 
 
 @dataclass(frozen=True)
+class CacheCeiling(Record):
+    """Of the prompt tokens sent (every sample's prompt; a conversation's turn prompts), the
+    share a cache holding every prefix could serve (prefix_reuse.compact_ceiling): over the
+    category (shards that keep prefix siblings together reach it) and over its shards as
+    assigned (one engine each), per token (to 16 tokens) and in whole blocks of `block`."""
+
+    block: int
+    prompt_tokens: int
+    category_per_token: float | None
+    category_per_block: float | None
+    shards_per_token: float | None
+    shards_per_block: float | None
+
+
+@dataclass(frozen=True)
 class PrefixCache(Record):
     samples: int
     samples_reporting: int
     cached_tokens: int | None
     prompt_tokens: int | None
     hit_rate: float | None
+    ceiling: CacheCeiling | None = None  # absent: no prompts sent yet
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,30 @@ def ceiling(keys: Iterable[bytes], block: int) -> Ceiling:
     return Ceiling(total, per_token, block, per_block)
 
 
+def compact_ceiling(prompts: Iterable[tuple[bytes, int]], block: int) -> Ceiling:
+    """The ceiling from compact keys, (dispatch_key(ids), len(ids)) per prompt sent (half a byte
+    per token: a whole category fits in memory). Shared prefixes count in whole DISPATCH_BLOCK
+    units, so per token it is at most DISPATCH_BLOCK - 1 tokens short per prompt; in blocks of
+    a multiple of DISPATCH_BLOCK it is exact (up to 64-bit hash collisions)."""
+    if block % DISPATCH_BLOCK:
+        raise ValueError(f"block must be a multiple of {DISPATCH_BLOCK}, got {block}")
+    total = per_token = per_block = 0
+    previous = None
+    for k, n in sorted(prompts):
+        shared = 0
+        if previous is not None:
+            m = min(len(previous), len(k)) // 8
+            a, b = np.frombuffer(previous, ">u8", m), np.frombuffer(k, ">u8", m)
+            differ = np.flatnonzero(a != b)
+            shared = (int(differ[0]) if len(differ) else m) * DISPATCH_BLOCK
+        total += n
+        if n:
+            per_token += min(shared, n - 1)
+            per_block += min(shared, n - 1) // block * block
+        previous = k
+    return Ceiling(total, per_token, block, per_block)
+
+
 def sharded_ceiling(shards: Iterable[Iterable[bytes]], block: int) -> Ceiling:
     """The ceiling when each group of prompts goes to an engine of its own (a managed job per
     shard, its cache empty at the start)."""

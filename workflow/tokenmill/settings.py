@@ -393,6 +393,7 @@ class DatasetSettings(_Section):
     draft_vocab_target_size: int | None
     draft_vocab_formats: tuple[str, ...]
     draft_vocab_force_stop_ids: bool
+    prefix_cache_block: int
 
 
 @dataclass(frozen=True)
