@@ -39,10 +39,30 @@ MODEL = REPO / "sample" / "model"
 BLOCK = 128  # vLLM's KV block on CPU
 KV_BLOCKS = 32  # below a shard's distinct prefix blocks (asserted)
 SHARDS, TOOL_SETS, PROMPTS = 2, 160, 480  # 3 prompts per tool set: hash shards split them
-WORDS = (
-    "alpha beta gamma delta tool name search weather query string integer required "
-    "description parameters location unit city country date time object array"
-).split()
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "tool",
+    "name",
+    "search",
+    "weather",
+    "query",
+    "string",
+    "integer",
+    "required",
+    "description",
+    "parameters",
+    "location",
+    "unit",
+    "city",
+    "country",
+    "date",
+    "time",
+    "object",
+    "array",
+]
 
 
 def agent_prompts() -> list[dict]:
@@ -73,8 +93,12 @@ def generate_shard(tmp: Path, tokenized: Path, shard: str) -> Path:
         "engine": "vllm",
         "mode": "managed",  # an engine of its own per job, its cache empty at the start
         "model": str(MODEL),
-        "launch": {"command": command, "host": "127.0.0.1", "startup_timeout_s": 600,
-                   "env": vllm_cpu_env()},  # fmt: skip
+        "launch": {
+            "command": command,
+            "host": "127.0.0.1",
+            "startup_timeout_s": 600,
+            "env": vllm_cpu_env(),
+        },  # fmt: skip
         "sampling": {"max_new_tokens": 1, "temperature": 0.0},
         "concurrency": 4,
     }
@@ -108,9 +132,7 @@ def test_prefix_affine_shards_reach_the_category_ceiling_on_vllm(tmp_path):
         prompts, "agent", SHARDS, {"path": str(MODEL)}, 1000, tokenized,
         tmp_path / "rejected.parquet", shard_by=shards.BY_PREFIX,
     )  # fmt: skip
-    by_shard = [
-        pq.read_table(shards.shard_path(tokenized, i)).to_pylist() for i in range(SHARDS)
-    ]
+    by_shard = [pq.read_table(shards.shard_path(tokenized, i)).to_pylist() for i in range(SHARDS)]
     ids = {r["prompt_id"]: r["prompt_ids"] for rows in by_shard for r in rows}
     assert len(ids) == PROMPTS
     category = pr.ceiling([pr.key(p) for p in ids.values()], BLOCK)
