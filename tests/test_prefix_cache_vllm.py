@@ -40,29 +40,10 @@ BLOCK = 128  # vLLM's KV block on CPU
 KV_BLOCKS = 32  # below a shard's distinct prefix blocks (asserted)
 SHARDS, TOOL_SETS, PROMPTS = 2, 160, 480  # 3 prompts per tool set: hash shards split them
 WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "tool",
-    "name",
-    "search",
-    "weather",
-    "query",
-    "string",
-    "integer",
-    "required",
-    "description",
-    "parameters",
-    "location",
-    "unit",
-    "city",
-    "country",
-    "date",
-    "time",
-    "object",
-    "array",
-]
+    "alpha", "beta", "gamma", "delta", "tool", "name", "search", "weather", "query", "string",
+    "integer", "required", "description", "parameters", "location", "unit", "city", "country",
+    "date", "time", "object", "array",
+]  # fmt: skip
 
 
 def agent_prompts() -> list[dict]:
