@@ -87,8 +87,23 @@ def test_before_generation_every_prompt_is_still_to_send(tokenized):
     assert r["to_send"] == sum(conv.column("num_turns").to_pylist()) > conv.num_rows
     assert r["expected_output_tokens"] == r["to_send"] * 32
     assert f"<={r['to_send']}" in plan(tokenized)
+    # The prefix-cache ceilings of the tokenized prompts, block-aligned: as prefix_reuse's exact
+    # ceiling over the category and over its shards, from the token ids themselves.
+    from tokenmill import prefix_reuse as pr
+
+    for cat in ("code", "chat", "multiturn"):
+        paths = sorted((tokenized / "results/tokenized" / cat).glob("*.parquet"))
+        keys = [[pr.key(ids) for ids in pq.read_table(f).column("prompt_ids").to_pylist()]
+                for f in paths]  # fmt: skip
+        c = p[cat]["cache_ceiling"]
+        assert c["block"] == 16
+        assert c["category_per_block"] == pr.ceiling(sum(keys, []), 16).share("per_block")
+        assert c["shards_per_block"] == pr.sharded_ceiling(keys, 16).share("per_block")
+        assert c["shards_per_block"] <= c["category_per_block"] <= c["category_per_token"]
+    assert p["code"]["cache_ceiling"]["category_per_block"] > 0  # a shared system prompt
     text = plan(tokenized, "--throughput", "100")
     assert "category" in text and "GPU h" in text and "total" in text, text
+    assert "cache ceil shards/cat" in text, text
     t = by_category(plan(tokenized, "--throughput", "100", "--json"))["code"]
     assert t["job_hours"] == round(t["expected_output_tokens"] / 100 / 3600, 3)
     # gpus: 0 (the demo's CPU engine): GPU-hours are unknown, not 0; a small --throughput is

@@ -29,6 +29,12 @@ When the generation fingerprint changed since a shard's last generate job (the
 `generation-{shard}.json` beside its journal), a warning names the config keys that changed and
 how many journaled samples of the shard no longer match (column `invalidated` of --json).
 
+Prefix cache (`cache ceil shards/cat`): of the tokenized prompts' tokens (each prompt once; a
+conversation's first turn), the share a cache holding every prefix could serve, in whole
+dataset.prefix_cache_block blocks, with an engine per shard as assigned / one engine for the
+whole category (prefix_reuse; a gap between them: categories.C.shard_by: prefix closes it).
+Per token too in --json (`cache_ceiling`).
+
 Truncation (`cut`, `max_new@keep`): of the outputs the length comes from (pilot or journal), the
 share that ended at max_new_tokens (finish "length"; merge drops them), and the max_new_tokens
 under which `--keep` (0.95) of them would have finished; unknown (`>max_new_tokens`, and a
@@ -55,7 +61,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tokenmill import contracts, keys, layout
+from tokenmill import contracts, keys, layout, prefix_reuse
 from tokenmill.generate import conversations, job, journal
 from tokenmill.jobs.resources import category_resources, gpus_per_job, job_resources
 from tokenmill.redaction import redact
@@ -90,6 +96,7 @@ class CategoryPlan:
         self.fingerprint_changes: list[dict] = []  # job.fingerprint_change of each shard
         material = redact(keys.generation_material(gen))
         self.turns_left: dict[str, int] = {}  # conversation shard -> turns not journaled yet
+        sends: list[list] = []  # per shard: the compact keys of its (first-turn) prompts
         for name in names:
             path = Path(lay.tokenized(category, name))
             if not path.exists():
@@ -100,6 +107,8 @@ class CategoryPlan:
             self.prompts += len(shard)
             ntok = pq.read_table(path, columns=["num_prompt_tokens"]).column(0)
             self.prompt_tokens += int(pc.sum(ntok).as_py() or 0)
+            batches = pq.ParquetFile(path).iter_batches(columns=["prompt_ids"])
+            sends.append([k for b in batches for k in prefix_reuse.compact_keys(b.column(0))])
             self.shards[name] = []
             sj = journal.ShardJournal(self.journal_dir, category, name)
             conv = contracts.is_regenerated(path)
@@ -115,6 +124,10 @@ class CategoryPlan:
                 if len(shard.ids(i)) and shard.keys[i] not in self.wanted:
                     self.wanted[shard.keys[i]] = name
                     self.items[shard.keys[i]] = shard.item(i)
+        # what a prefix cache can serve of every prompt once (a conversation: its first turn)
+        self.cache_ceiling = prefix_reuse.category_and_shards(
+            sends, self.settings.dataset.prefix_cache_block
+        )
         self.records: dict = {}
         self.refresh()
 
@@ -225,6 +238,14 @@ def _row(
         "journaled": len(cp.records),
         "invalidated": sum(c["records"] for c in cp.fingerprint_changes),
         "to_send": n_send,
+        # block-aligned (dataset.prefix_cache_block), per token in the --json
+        "cache_ceiling": {
+            "block": cp.cache_ceiling[0].block,
+            "category_per_block": cp.cache_ceiling[0].share("per_block"),
+            "category_per_token": cp.cache_ceiling[0].share("per_token"),
+            "shards_per_block": cp.cache_ceiling[1].share("per_block"),
+            "shards_per_token": cp.cache_ceiling[1].share("per_token"),
+        },
         "to_send_upper_bound": bool(cp.conversation_shards),
         "mean_output_tokens": round(mean_out, 1),
         "output_source": source,
@@ -363,6 +384,7 @@ COLUMNS = [
     ("gpu_hours", "GPU h"),
     ("truncated_share", "cut"),
     ("max_new_tokens_for_keep", "max_new@keep"),
+    ("cache_ceiling", "cache ceil shards/cat"),
 ]
 
 
@@ -392,6 +414,10 @@ def format_table(plan: dict) -> str:
             return "unknown"  # gpus: 0
         if key == "truncated_share":
             return "-" if v is None else f"{v:.1%}"
+        if key == "cache_ceiling":
+            if not v or v["category_per_block"] is None:
+                return "-"
+            return f"{v['shards_per_block']:.2f}/{v['category_per_block']:.2f}"
         if key == "max_new_tokens_for_keep" and v is None and r.get("truncated"):
             return f">{plan['max_new_tokens']}"
         if v is not None and key in UPPER_BOUNDED and r["to_send_upper_bound"]:

@@ -156,6 +156,24 @@ def compact_ceiling(prompts: Iterable[tuple[bytes, int]], block: int) -> Ceiling
     return Ceiling(total, per_token, block, per_block)
 
 
+def compact_keys(ids_column) -> list[tuple[bytes, int]]:
+    """(dispatch_key, length) of every prompt of an Arrow list<int32> column."""
+    return [
+        (dispatch_key(ids.values.to_numpy(zero_copy_only=False)), len(ids)) for ids in ids_column
+    ]
+
+
+def category_and_shards(shards: Iterable[list[tuple[bytes, int]]], block: int):
+    """(ceiling over the category, ceiling over its shards: an engine each) of the compact
+    keys of the prompts each shard sends."""
+    everything: list[tuple[bytes, int]] = []
+    sharded = Ceiling(0, 0, block, 0)
+    for sent in shards:
+        sharded = sharded + compact_ceiling(sent, block)
+        everything += sent
+    return compact_ceiling(everything, block), sharded
+
+
 def sharded_ceiling(shards: Iterable[Iterable[bytes]], block: int) -> Ceiling:
     """The ceiling when each group of prompts goes to an engine of its own (a managed job per
     shard, its cache empty at the start)."""

@@ -438,29 +438,26 @@ def _ceilings(lay: layout.Layout, cat: str, generated: list[Path], block: int):
     nothing was generated. Compact keys: half a byte per prompt token in memory."""
     if not generated:
         return None
-    everything: list[tuple[bytes, int]] = []
-    shards = prefix_reuse.Ceiling(0, 0, block, 0)
-    for f in generated:
-        sent = []
-        if contracts.is_regenerated(lay.tokenized(cat, f.stem)):
-            pf = pq.ParquetFile(f)
-            for batch in pf.iter_batches(columns=["turn_prompt_ids"]):
-                for ids in batch.column(0):
-                    ids = ids.values.to_numpy(zero_copy_only=False)
-                    sent.append((prefix_reuse.dispatch_key(ids), len(ids)))
-        else:
-            sends = collections.Counter(
-                pq.read_table(f, columns=["prompt_id"]).column(0).to_pylist()
-            )
-            pf = pq.ParquetFile(lay.tokenized(cat, f.stem))
-            for batch in pf.iter_batches(columns=["prompt_id", "prompt_ids"]):
-                for pid, ids in zip(batch.column(0).to_pylist(), batch.column(1), strict=True):
-                    if sends[pid]:
-                        ids = ids.values.to_numpy(zero_copy_only=False)
-                        sent += [(prefix_reuse.dispatch_key(ids), len(ids))] * sends[pid]
-        shards = shards + prefix_reuse.compact_ceiling(sent, block)
-        everything += sent
-    return prefix_reuse.compact_ceiling(everything, block), shards
+    return prefix_reuse.category_and_shards((_sent(lay, cat, f) for f in generated), block)
+
+
+def _sent(lay: layout.Layout, cat: str, generated: Path) -> list[tuple[bytes, int]]:
+    """The compact keys of the prompts a generated shard was sent, a prompt once per sample."""
+    if contracts.is_regenerated(lay.tokenized(cat, generated.stem)):
+        batches = pq.ParquetFile(generated).iter_batches(columns=["turn_prompt_ids"])
+        return [k for b in batches for k in prefix_reuse.compact_keys(b.column(0))]
+    sends = collections.Counter(
+        pq.read_table(generated, columns=["prompt_id"]).column(0).to_pylist()
+    )
+    sent = []
+    tokenized = pq.ParquetFile(lay.tokenized(cat, generated.stem))
+    for batch in tokenized.iter_batches(columns=["prompt_id", "prompt_ids"]):
+        pids = batch.column(0).to_pylist()
+        wanted = [i for i, pid in enumerate(pids) if sends[pid]]
+        keys = prefix_reuse.compact_keys(batch.column(1).take(pa.array(wanted, pa.int64())))
+        for i, k in zip(wanted, keys, strict=True):
+            sent += [k] * sends[pids[i]]
+    return sent
 
 
 def _summed_ceilings(timings: dict):
