@@ -646,3 +646,23 @@ def test_request_after_a_pause_longer_than_the_servers_idle_timeout_is_not_retri
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_a_conversations_next_turn_is_sent_before_the_rest_of_the_queue(server):
+    """One request at a time: each answer's follow-up (the conversation's next turn, whose
+    prompt extends the one just answered and cached) is the next request, not the last."""
+    url, _ = server()
+    firsts = [Item(f"c{i}", f"{i:032x}", [5, i, 9]) for i in range(4)]
+    recs = []
+
+    def follow(rec):
+        pid = rec["prompt_id"]
+        turn = pid.count("+")
+        if turn >= 2:
+            return []
+        return [Item(pid + "+", f"{len(recs):031x}f", [5, 6, 7, turn])]
+
+    client = Client([url], _opts(concurrency=1), recs.append, follow=follow)
+    asyncio.run(client.run(firsts))
+    order = [r["prompt_id"] for r in recs]
+    assert order == [p for i in range(4) for p in (f"c{i}", f"c{i}+", f"c{i}++")], order

@@ -51,6 +51,7 @@ spending attempts, so the caller can restart the engine.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import json
@@ -327,7 +328,7 @@ class Client:
         self.stop_check = stop_check
         self._active = 0
         self._wakeup = asyncio.Event()
-        self._queue: asyncio.Queue | None = None
+        self._queue: collections.deque | None = None
         # Fail fast: the signature every failure so far had, the prompts and attempts behind
         # it; disarmed for good by a success or by a different deterministic failure.
         self._ff_armed = True
@@ -481,9 +482,11 @@ class Client:
         rec["attempts"] = attempt
         self.on_record(rec)
         if self.follow is not None:
-            for nxt in self.follow(rec):
-                self._queue.put_nowait(nxt)
-                self.stats.total += 1
+            # A conversation's next turn goes first: its prompt extends the one just answered,
+            # whose prefix the engine's cache holds now, not after the rest of the queue.
+            nxt = list(self.follow(rec))
+            self._queue.extendleft(reversed(nxt))
+            self.stats.total += len(nxt)
         self.stats.done += 1
         if kind == OK:
             self.stats.output_tokens += len(res["output_ids"])
@@ -509,11 +512,11 @@ class Client:
         except (aiohttp.ClientError, OSError, TimeoutError):
             return False
 
-    async def _worker(self, session, queue: asyncio.Queue) -> None:
+    async def _worker(self, session, queue: collections.deque) -> None:
         while True:
             try:
-                item = queue.get_nowait()
-            except asyncio.QueueEmpty:
+                item = queue.popleft()
+            except IndexError:
                 # With follow-ups, an item still in process may queue more work.
                 if self.follow is None or self._active == 0:
                     return
@@ -541,10 +544,8 @@ class Client:
     async def run(self, items: list[Item]) -> Stats:
         """Generate every item; raises GenerationFailed or EngineDied (journaled work stays)."""
         self.stats.total = max(self.stats.total, self.stats.done + len(items))
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = collections.deque(items)  # workers take from the left; follow-ups go there too
         self._queue = queue
-        for it in items:
-            queue.put_nowait(it)
         n_workers = min(len(items), self.opts.concurrency * len(self.urls))
         self._n_workers = n_workers
         conn = aiohttp.TCPConnector(
