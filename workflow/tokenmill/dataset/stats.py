@@ -846,47 +846,46 @@ def summary_blocks(summary: dict) -> list[doc.Block]:
 
 
 def cache_blocks(scopes) -> list[doc.Block]:
-    rows = []
-    for cat, s in scopes:
-        c = s["prefix_cache"]
-        ceiling = c.get("ceiling")
-        if not ceiling:
-            continue
-        achieved, bound = c["hit_rate"], ceiling["shards_per_block"]
-        rows.append(
-            [cat, _known(achieved), _known(ceiling["shards_per_block"]),
-             _known(ceiling["category_per_block"]), _known(ceiling["shards_per_token"]),
-             _known(ceiling["category_per_token"]),
-             _known(round(achieved / bound, 3) if achieved is not None and bound else None)]
-        )  # fmt: skip
-    if not rows:
+    """The prefix-cache table: the engine's hit rate beside the ceilings (block-aligned; in
+    16-token units too where the block is larger)."""
+    known = [(cat, s["prefix_cache"]) for cat, s in scopes if s["prefix_cache"].get("ceiling")]
+    if not known:
         return []
-    block = next(s["prefix_cache"]["ceiling"]["block"] for _, s in scopes
-                 if s["prefix_cache"].get("ceiling"))  # fmt: skip
+    block = known[0][1]["ceiling"]["block"]
+    fine = block != prefix_reuse.DISPATCH_BLOCK
+    head = [
+        "category",
+        "hit rate (engine)",
+        f"ceiling: shards ({block}-token blocks)",
+        f"ceiling: category ({block}-token blocks)",
+        "hit rate / shards' ceiling",
+    ]
+    head += ["ceiling: shards (16-token units)", "ceiling: category (16-token units)"] * fine
+    rows = []
+    for cat, c in known:
+        ceiling, achieved = c["ceiling"], c["hit_rate"]
+        bound = ceiling["shards_per_block"]
+        row = [
+            cat,
+            _known(achieved),
+            _known(bound),
+            _known(ceiling["category_per_block"]),
+            _known(round(achieved / bound, 3) if achieved is not None and bound else None),
+        ]
+        row += [_known(ceiling["shards_per_token"]), _known(ceiling["category_per_token"])] * fine
+        rows.append(row)
     return [
         doc.Heading("Prefix cache"),
-        doc.Table(
-            [
-                "category",
-                "hit rate (engine)",
-                f"ceiling: shards ({block}-token blocks)",
-                f"ceiling: category ({block}-token blocks)",
-                "ceiling: shards (tokens)",
-                "ceiling: category (tokens)",
-                "hit rate / shards' ceiling",
-            ],
-            [doc.LEFT] + [doc.RIGHT] * 6,
-            rows,
-        ),  # fmt: skip
+        doc.Table(head, [doc.LEFT] + [doc.RIGHT] * (len(head) - 1), rows),
         doc.Text(
             "Shares of the prompt tokens sent. Ceiling: what a cache holding every prefix "
-            "could serve, over the category's shards as assigned (an engine each) and over the "
-            "category as one (what shards that keep prefix siblings together reach: "
-            "categories.C.shard_by: prefix); blocks: dataset.prefix_cache_block; tokens: to "
-            "16 tokens. Hit rate: the engine's own cached-token counts; unknown where it "
-            "reports none."
+            "could serve, with an engine per shard as the shards were assigned, and with one "
+            "engine for the whole category (shards that keep prompts sharing a prefix together "
+            "reach it: categories.C.shard_by: prefix). Blocks: dataset.prefix_cache_block. Hit "
+            "rate: the engine's own cached-token counts; unknown where it reports none (vLLM "
+            "without --enable-prompt-tokens-details)."
         ),
-    ]
+    ]  # fmt: skip
 
 
 def conversation_blocks(scopes) -> list[doc.Block]:
