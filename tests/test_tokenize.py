@@ -130,11 +130,13 @@ def canonical(messages, tools):
     return load(contracts.canonical_json(messages)), load(contracts.canonical_json(tools))
 
 
-def run_stage(tmp_path, name, rows, cfg, n_shards=4, max_tokens=4096, **kw):
+def run_stage(tmp_path, name, rows, cfg, n_shards=4, max_tokens=4096, shard_by="prompt_id", **kw):
     prompts = write_prompts(tmp_path / f"{name}_prompts.parquet", rows)
     out = tmp_path / name
     rejected = tmp_path / f"{name}_rejected.parquet"
-    summary = tk.tokenize_category(prompts, "C", n_shards, cfg, max_tokens, out, rejected, **kw)
+    summary = tk.tokenize_category(
+        prompts, "C", n_shards, cfg, max_tokens, out, rejected, shard_by=shard_by, **kw
+    )
     return out, rejected, summary
 
 

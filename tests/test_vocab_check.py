@@ -63,6 +63,7 @@ def test_an_id_past_the_vocabulary_fails_naming_the_prompt(tmp_path, sample_mode
         tk.tokenize_category(
             prompts, "c", 2, tok_cfg(sample_model_dir), 4096, tmp_path / "out",
             tmp_path / "rej.parquet", tokenizer=_Pretend(tok, 40), model_vocab=(50, "cfg"),
+            shard_by="prompt_id",
         )  # fmt: skip
 
 

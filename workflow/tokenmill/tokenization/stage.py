@@ -531,10 +531,11 @@ def tokenize_category(
     model_vocab: tuple[int | None, str] = (None, ""),
     stop_tokens: list | None = None,
     think_end_token: str | None = None,
-    shard_by: str = shards.BY_PROMPT_ID,
+    *,
+    shard_by: str,
 ) -> Summary:
     """Run the stage end to end; returns the counts. `tokenizer`: an already loaded one.
-    `shard_by`: categories.C.shard_by (tokenization/shards.py; the pipeline always gives it).
+    `shard_by`: categories.C.shard_by (tokenization/shards.py; its default is the schema's).
     `model_vocab`: (vocab_size, where it was read) of the model, checked against every id.
     `stop_tokens`: generation.stop_tokens, resolved to ids into every shard's metadata.
     `think_end_token`: dataset.think_end_token (conversation categories split answers at it)."""
@@ -576,8 +577,8 @@ def tokenize_category(
         META_NUM_SHARDS: str(num_shards),
         META_MAX_PROMPT_TOKENS: str(max_prompt_tokens),
     }
-    # One shard holds every row either way; by prompt_id the files stay as they were before
-    # shard_by existed (no key), so an upgrade reruns nothing downstream.
+    # With one shard, placement cannot differ: no key. By prompt_id neither, so shards written
+    # before shard_by existed read the same.
     placed_later = shard_by == shards.BY_PREFIX and num_shards > 1
     if placed_later:
         common_meta[contracts.META_SHARD_BY] = shard_by
