@@ -8,15 +8,17 @@ distinct prefixes.
 A synthetic agent category: every prompt is a common head, one of the tool sets' long
 declarations (400-700 tokens) and its own question. Variants, each shard as a managed job sees
 it (its own engine: the server's prefix cache is reset before each shard):
-  A  hash shards (prompt_id), prompt_id order       today
-  B  hash shards, trie order                         order alone
-  C  prefix-affine shards, trie order                what tokenmill does
+  A  hash shards (prompt_id), prompt_id order       before (shard_by: prompt_id, no ordering)
+  B  hash shards, trie order                         order alone (shard_by: prompt_id now)
+  C  prefix-affine shards, trie order                what tokenmill does (the default)
   D  prefix-affine shards, prompt_id order           shards alone
 Printed per variant: the block-aligned ceiling over the category and over its shards as
 assigned (prefix_reuse), the share the engine reported cached (usage.prompt_tokens_details.
-cached_tokens), achieved / category ceiling, and the wall time against A's. The engine runs with
---num-gpu-blocks-override (KV blocks of 128 tokens on CPU), so a shard's distinct prefixes do
-not all fit, as at GPU scale where long outputs fill the cache.
+cached_tokens), achieved / category ceiling, the wall time and the engine's own prefill time
+(vllm:request_prefill_time_seconds from /metrics), each against A's. A warm-up shard is sent
+first, not measured. The engine runs with --num-gpu-blocks-override (KV blocks of 128 tokens on
+CPU), so that a shard's distinct prefixes need not fit, as at GPU scale where long outputs fill
+the cache (with --tool-sets 256 a shard's prefixes need about 80 blocks).
 """
 
 from __future__ import annotations
@@ -41,12 +43,13 @@ sys.path.insert(0, str(REPO / "tests"))
 from helpers import VLLM_CPU_ARGS, vllm_cpu_env, vllm_python  # noqa: E402
 
 from tokenmill import prefix_reuse as pr  # noqa: E402
+from tokenmill.tokenization import shards  # noqa: E402
 from tokenmill.tokenization.shards import shard_of  # noqa: E402
 
 MODEL = REPO / "sample" / "model"
 BLOCK = 128  # vLLM's KV block on CPU
 VARIANTS = {
-    "A": ("hash", "prompt_id", "today: hash shards, prompt_id order"),
+    "A": ("hash", "prompt_id", "before: hash shards, prompt_id order"),
     "B": ("hash", "trie", "hash shards, trie order"),
     "C": ("affine", "trie", "affine shards, trie order"),
     "D": ("affine", "prompt_id", "affine shards, prompt_id order"),
@@ -71,8 +74,8 @@ def assign(prompts: dict[str, list[int]], n: int, how: str) -> list[list[str]]:
     pids = sorted(prompts)
     if how == "hash":
         shard = [shard_of(p, n) for p in pids]
-    else:
-        shard = pr.affine_shards([pr.key(prompts[p]) for p in pids], n)
+    else:  # as tokenize places them (shard_by: prefix)
+        shard = shards.assign([shards.assignment_key(prompts[p]) for p in pids], n)
     groups: list[list[str]] = [[] for _ in range(n)]
     for p, s in zip(pids, shard, strict=True):
         groups[s].append(p)  # prompt_id order within a shard, as a tokenized shard holds them
@@ -111,6 +114,13 @@ class Server:
     def reset(self) -> None:
         req = urllib.request.Request(self.url + "/reset_prefix_cache", b"", method="POST")
         assert urllib.request.urlopen(req).status == 200
+
+    def metric(self, name: str) -> float:
+        """A counter or histogram sum from the server's Prometheus /metrics (summed over
+        labels)."""
+        text = urllib.request.urlopen(self.url + "/metrics").read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith((name + "{", name + " ")))  # fmt: skip
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -160,6 +170,9 @@ def main(argv=None) -> int:
           f"{BLOCK}-token blocks {category.share('per_block'):.3f}")  # fmt: skip
     server = Server(a.blocks)
     print(f"vLLM up in {server.start_s:.0f} s")
+    # warm-up, not measured: the first requests of a fresh server are slower
+    warm = sorted(prompts)[: a.prompts // a.shards]
+    asyncio.run(send(server.url, [prompts[p] for p in warm], a.concurrency))
     rows = []
     try:
         for v in a.variants.split(","):
@@ -167,6 +180,7 @@ def main(argv=None) -> int:
             groups = assign(prompts, a.shards, shards_by)
             sharded = pr.sharded_ceiling([[pr.key(prompts[p]) for p in g] for g in groups], BLOCK)
             cached = total = 0
+            prefill0 = server.metric("vllm:request_prefill_time_seconds_sum")
             t0 = time.monotonic()
             for g in groups:
                 server.reset()  # a managed job's engine starts empty
@@ -176,25 +190,33 @@ def main(argv=None) -> int:
                 )  # fmt: skip
                 cached, total = cached + c, total + t
             wall = time.monotonic() - t0
+            prefill = server.metric("vllm:request_prefill_time_seconds_sum") - prefill0
             assert total == category.prompt_tokens, (total, category.prompt_tokens)
             rows.append({
                 "variant": v, "label": label, "shard_ceiling": sharded.share("per_block"),
                 "achieved": round(cached / total, 6), "wall_s": round(wall, 1),
+                "prefill_s": round(prefill, 1),
                 "sizes": sorted(len(g) for g in groups),
             })  # fmt: skip
             r = rows[-1]
             print(f"{v} {label:<36} shard ceiling {r['shard_ceiling']:.3f}  achieved "
                   f"{r['achieved']:.3f}  = {r['achieved'] / category.share('per_block'):.2f} of "
-                  f"the category ceiling  {wall:.1f} s", flush=True)  # fmt: skip
+                  f"the category ceiling  {wall:.1f} s, prefill {prefill:.1f} s",
+                  flush=True)  # fmt: skip
     finally:
         server.stop()
     base = next((r for r in rows if r["variant"] == "A"), None)
-    print("\nvariant | shard ceiling | achieved | of category ceiling | time | time / A")
+    print(
+        "\nvariant | shard ceiling | achieved | of category ceiling | time | time / A | "
+        "prefill (engine) | prefill / A"
+    )
     for r in rows:
         ratio = f"{r['wall_s'] / base['wall_s']:.2f}x" if base else "-"
+        pratio = f"{r['prefill_s'] / base['prefill_s']:.2f}x" if base and base["prefill_s"] else "-"
         share = r["achieved"] / category.share("per_block")
         print(f"{r['variant']} {r['label']} | {r['shard_ceiling']:.3f} | {r['achieved']:.3f} | "
-              f"{share:.2f} | {r['wall_s']:.1f} s | {ratio}")  # fmt: skip
+              f"{share:.2f} | {r['wall_s']:.1f} s | {ratio} | {r['prefill_s']:.1f} s | "
+              f"{pratio}")  # fmt: skip
     if a.json:
         Path(a.json).write_text(json.dumps({
             "category_ceiling": {"per_token": category.share("per_token"),
