@@ -140,6 +140,11 @@ class Item:
         """The prompt ids as an array (what ordering reads; the request takes prompt_ids)."""
         return np.asarray(self.prompt_ids, dtype=np.int64)
 
+    def window(self) -> int:
+        """The window of the queue this item is ordered within (prefix_reuse.dispatch_order):
+        one for items held in memory; a shard's items, per cached row groups."""
+        return 0
+
 
 @dataclass
 class Stats:

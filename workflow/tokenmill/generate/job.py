@@ -341,9 +341,7 @@ async def generate(job: Job, missing: list[Item], frontier=None, follow=None) ->
     managed = gen.managed
     # Prompts that share a prefix go back to back, while the engine's cache holds it; the
     # output is written in prompt_id order whatever the order they were answered in.
-    missing = prefix_reuse.dispatch_order(
-        missing, window=lambda it: it.window() if isinstance(it, ShardItem) else 0
-    )
+    missing = prefix_reuse.dispatch_order(missing, window=lambda it: it.window())
     key = api_key(gen)
     secrets = [key] if key else []
     stop_ids, meta["stop_token_ids_from"] = resolve_stop_ids(
