@@ -182,10 +182,10 @@ def dataset_rows(workdir: Path, config: dict) -> dict[str, dict[str, tuple]]:
 
 
 def test_switching_shard_by_moves_rows_without_a_request_and_back(demo):
-    """The demo's categories place rows by prefix (the default): placed by the prompt_id's hash
-    instead (two of them), the rows move to other shards (the journal follows them by the assignment's
-    digest), no request is sent, and every row and token is as before; back to prefix shards,
-    again no request."""
+    """The demo's categories place rows by prefix (the default). Two of them placed by the
+    prompt_id's hash instead: the rows move to other shards (the journal follows them by the
+    assignment's digest), no request is sent, and every row and token is as before; back to
+    prefix shards, again no request."""
     workdir, config = demo
     before = dataset_rows(workdir, config)
     changed = json.loads(json.dumps(config))
