@@ -292,14 +292,17 @@ def test_every_stored_layer_equals_a_hugging_face_forward_pass(model8, tmp_path)
     assert ds.features["loss_mask"].feature.dtype == "int64"
 
 
-def relative_errors(out: Path, rows: list[list[int]], model_dir: Path) -> list[float]:
+def relative_errors(
+    out: Path, rows: list[list[int]], model_dir: Path, dtype: str = "float32"
+) -> list[float]:
     """Per stored layer (default ids [2, 4, 5, 8]): the largest over rows of
-    max |stored - batch-1 HF forward| / max |batch-1 HF forward| (0.0: bit-equal)."""
+    max |stored - batch-1 HF forward| / max |batch-1 HF forward| (0.0: bit-equal), the
+    forward in `dtype`, the difference taken in float32."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     caught = {}
     model.model.layers[-1].register_forward_hook(
         lambda _m, _a, o: caught.update(last=o[0] if isinstance(o, tuple) else o)
@@ -308,8 +311,9 @@ def relative_errors(out: Path, rows: list[list[int]], model_dir: Path) -> list[f
     for i, ids in enumerate(rows):
         with torch.no_grad():
             ref = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-        hs = load_file(out / layout.speculators_path(i))["hidden_states"]
+        hs = load_file(out / layout.speculators_path(i))["hidden_states"].float()
         for j, want in enumerate([ref[2][0], ref[4][0], ref[5][0], caught["last"][0]]):
+            want = want.float()
             rel = ((hs[:, j] - want).abs().max() / want.abs().max()).item()
             worst[j] = max(worst[j], rel)
     return worst
@@ -331,6 +335,46 @@ def test_exactness_on_long_rows_as_the_docs_state_it(model8, tmp_path):
     print("max relative error per layer:", found)
     assert found["batch1"] == [0.0] * 4
     assert 0.0 < max(found["batched"]) <= 1e-6  # padding changes the summation order
+
+
+@pytest.fixture(scope="module")
+def model8_bf16(model8, tmp_path_factory) -> Path:
+    """model8's weights rounded to bfloat16 and saved so (torch_dtype bfloat16), its tokenizer
+    beside them."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("model8_bf16")
+    for f in model8.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    model = AutoModelForCausalLM.from_pretrained(model8, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+def test_exactness_in_bfloat16_at_its_precision(model8_bf16, tmp_path):
+    """A bfloat16 model's states are stored in bfloat16: max_batch_rows: 1 is bit-equal to a
+    batch-1 HF forward in bfloat16; the default batching differs by bfloat16 rounding in a
+    different summation order, bounded relative to the layer's largest value (bfloat16's unit
+    roundoff is 2**-8; docs/hidden-states.md)."""
+    from safetensors import safe_open
+
+    rows = make_dataset(tmp_path / "000.parquet", 6, seed=7, lengths=LONG_ROWS)
+    found = {}
+    for name, extra in (("batched", {}), ("batch1", {"max_batch_rows": 1})):
+        out = tmp_path / name
+        cfg = stage_config(model8_bf16, **extra)
+        run_stage(tmp_path, cfg, tmp_path / "000.parquet", out, tmp_path / f"journal-{name}")
+        with safe_open(out / layout.speculators_path(0), "pt") as f:
+            assert str(f.get_tensor("hidden_states").dtype) == "torch.bfloat16"
+        found[name] = relative_errors(out, rows, model8_bf16, "bfloat16")
+    print("max relative error per layer (bfloat16):", found)
+    assert found["batch1"] == [0.0] * 4
+    assert 0.0 < max(found["batched"]) <= 2**-6  # 4 units of roundoff; measured 1.2-2.2
 
 
 # ------------------------------------------------------------------------------ exactly once
