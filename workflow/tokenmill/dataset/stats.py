@@ -347,7 +347,7 @@ def _lengths(dataset: list[Path], think: ThinkTokens) -> tuple[dict, dict]:
     return raw, reasoning
 
 
-def _category(lay: layout.Layout, cat: str, shards: list[str], think: ThinkTokens, block: int = 16):
+def _category(lay: layout.Layout, cat: str, shards: list[str], think: ThinkTokens, block: int):
     """(summary of one category, raw length arrays for the overall summary and plots, the
     timing sums for the overall throughput), from the files its config declares (a stage not
     reached yet: its files are absent, and the stage is left out). `block`:
