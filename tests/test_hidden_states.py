@@ -319,19 +319,26 @@ def relative_errors(
     return worst
 
 
+def batched_and_batch1_errors(model: Path, tmp_path: Path, dtype: str = "float32") -> dict:
+    """relative_errors of the stage's default batching and of max_batch_rows: 1 (outputs in
+    tmp_path/batched and tmp_path/batch1) on 6 rows of 1,000-1,600 tokens."""
+    rows = make_dataset(tmp_path / "000.parquet", 6, seed=7, lengths=LONG_ROWS)
+    found = {}
+    for name, extra in (("batched", {}), ("batch1", {"max_batch_rows": 1})):
+        out = tmp_path / name
+        cfg = stage_config(model, **extra)
+        run_stage(tmp_path, cfg, tmp_path / "000.parquet", out, tmp_path / f"journal-{name}")
+        found[name] = relative_errors(out, rows, model, dtype)
+    return found
+
+
 @pytest.mark.slow
 def test_exactness_on_long_rows_as_the_docs_state_it(model8, tmp_path):
     """docs/hidden-states.md's bounds, on rows of 1,000-1,600 tokens (float32, weights of std
     0.02 as HF initialises them): the default batching (the rows padded into one batch) within
     1e-6 of a batch-1 HF forward relative to the layer's largest value; max_batch_rows: 1
     bit-equal."""
-    rows = make_dataset(tmp_path / "000.parquet", 6, seed=7, lengths=LONG_ROWS)
-    found = {}
-    for name, extra in (("batched", {}), ("batch1", {"max_batch_rows": 1})):
-        out = tmp_path / name
-        cfg = stage_config(model8, **extra)
-        run_stage(tmp_path, cfg, tmp_path / "000.parquet", out, tmp_path / f"journal-{name}")
-        found[name] = relative_errors(out, rows, model8)
+    found = batched_and_batch1_errors(model8, tmp_path)
     print("max relative error per layer:", found)
     assert found["batch1"] == [0.0] * 4
     assert 0.0 < max(found["batched"]) <= 1e-6  # padding changes the summation order
@@ -363,15 +370,10 @@ def test_exactness_in_bfloat16_at_its_precision(model8_bf16, tmp_path):
     roundoff is 2**-8; docs/hidden-states.md)."""
     from safetensors import safe_open
 
-    rows = make_dataset(tmp_path / "000.parquet", 6, seed=7, lengths=LONG_ROWS)
-    found = {}
-    for name, extra in (("batched", {}), ("batch1", {"max_batch_rows": 1})):
-        out = tmp_path / name
-        cfg = stage_config(model8_bf16, **extra)
-        run_stage(tmp_path, cfg, tmp_path / "000.parquet", out, tmp_path / f"journal-{name}")
-        with safe_open(out / layout.speculators_path(0), "pt") as f:
+    found = batched_and_batch1_errors(model8_bf16, tmp_path, "bfloat16")
+    for name in found:
+        with safe_open(tmp_path / name / layout.speculators_path(0), "pt") as f:
             assert str(f.get_tensor("hidden_states").dtype) == "torch.bfloat16"
-        found[name] = relative_errors(out, rows, model8_bf16, "bfloat16")
     print("max relative error per layer (bfloat16):", found)
     assert found["batch1"] == [0.0] * 4
     assert 0.0 < max(found["batched"]) <= 2**-6  # 4 units of roundoff; measured 1.2-2.2

@@ -66,19 +66,23 @@ def tokens(k: bytes) -> int:
     return len(k) // 4
 
 
-def common_prefix(a: bytes, b: bytes) -> int:
-    """The number of leading tokens two keys share."""
-    n = min(len(a), len(b)) // 4
-    if a[: 4 * n] == b[: 4 * n]:
+def common_prefix(a: bytes, b: bytes, word: int = 4) -> int:
+    """The number of leading words of `word` bytes two keys share (tokens, for `key`s)."""
+    n = min(len(a), len(b)) // word
+    if a[: word * n] == b[: word * n]:
         return n
-    x, y = np.frombuffer(a, ">u4", n), np.frombuffer(b, ">u4", n)
+    x, y = np.frombuffer(a, f">u{word}", n), np.frombuffer(b, f">u{word}", n)
     return int(np.argmax(x != y))
 
 
 def reusable(k: bytes, shared: int, block: int) -> int:
     """The tokens of prompt `k` a cache can serve when `shared` leading tokens were computed
     before: never the last token, and only whole blocks of `block` tokens."""
-    return min(shared, tokens(k) - 1) // block * block if k else 0
+    return _served(tokens(k), shared, block)
+
+
+def _served(n: int, shared: int, block: int) -> int:
+    return min(shared, n - 1) // block * block if n else 0
 
 
 def trie_order(keys: Sequence) -> list[int]:
@@ -121,15 +125,7 @@ class Ceiling:
 
 def ceiling(keys: Iterable[bytes], block: int) -> Ceiling:
     """The ceiling over prompts sent to one engine (one cache), in any order."""
-    total = per_token = per_block = 0
-    previous = None
-    for k in sorted(keys):
-        shared = common_prefix(previous, k) if previous is not None else 0
-        total += tokens(k)
-        per_token += reusable(k, shared, 1)
-        per_block += reusable(k, shared, block)
-        previous = k
-    return Ceiling(total, per_token, block, per_block)
+    return _ceiling(((k, tokens(k)) for k in keys), common_prefix, block)
 
 
 def compact_ceiling(prompts: Iterable[tuple[bytes, int]], block: int) -> Ceiling:
@@ -139,19 +135,19 @@ def compact_ceiling(prompts: Iterable[tuple[bytes, int]], block: int) -> Ceiling
     a multiple of DISPATCH_BLOCK it is exact (up to 64-bit hash collisions)."""
     if block % DISPATCH_BLOCK:
         raise ValueError(f"block must be a multiple of {DISPATCH_BLOCK}, got {block}")
+    return _ceiling(prompts, lambda a, b: common_prefix(a, b, 8) * DISPATCH_BLOCK, block)
+
+
+def _ceiling(prompts: Iterable[tuple[bytes, int]], shared_tokens, block: int) -> Ceiling:
+    """(key, tokens) pairs in trie order, each sharing `shared_tokens(previous, key)` tokens
+    with the one before it."""
     total = per_token = per_block = 0
     previous = None
     for k, n in sorted(prompts):
-        shared = 0
-        if previous is not None:
-            m = min(len(previous), len(k)) // 8
-            a, b = np.frombuffer(previous, ">u8", m), np.frombuffer(k, ">u8", m)
-            differ = np.flatnonzero(a != b)
-            shared = (int(differ[0]) if len(differ) else m) * DISPATCH_BLOCK
+        shared = shared_tokens(previous, k) if previous is not None else 0
         total += n
-        if n:
-            per_token += min(shared, n - 1)
-            per_block += min(shared, n - 1) // block * block
+        per_token += _served(n, shared, 1)
+        per_block += _served(n, shared, block)
         previous = k
     return Ceiling(total, per_token, block, per_block)
 
