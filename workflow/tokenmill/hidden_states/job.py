@@ -29,6 +29,8 @@ import logging
 import os
 import shutil
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,7 +159,7 @@ def run_shard(
     fingerprint: dict,
     layouts: tuple[str, ...],
     batch_tokens: int,
-    max_batch_rows: int,
+    max_batch_rows: int | str,
     describe: dict,
 ) -> dict:
     """Write the shard's files (see the module docstring); returns the manifest and what was
@@ -182,32 +184,13 @@ def run_shard(
     with contextlib.ExitStack() as stack:
         stack.callback(journal.close)
         if todo:
-            import torch
-
             backend = backend_factory()
             stack.callback(backend.close)
+            writer = stack.enter_context(RowWriter(out_dir, journal, layouts, batch_tokens))
             all_ids = {i: r[0].tolist() for i, r in enumerate(rows)}
             for rs in backend.run(all_ids, todo, batch_tokens, max_batch_rows):
                 ids, mask = rows[rs.index]
-                files = {}
-                for lay in layouts:
-                    t_ids = torch.from_numpy(ids.copy())
-                    if lay == "speculators":
-                        data = layout.speculators_bytes(t_ids, rs.states)
-                    else:
-                        n, h = rs.states.shape[1], rs.states.shape[2]
-                        aux = rs.states[:, :-1].reshape(-1, (n - 1) * h)
-                        data = layout.specforge_bytes(
-                            t_ids,
-                            torch.from_numpy(mask.copy()),
-                            rs.normed_last.unsqueeze(0),
-                            aux.unsqueeze(0),
-                        )
-                    rel = layout.row_path(lay, rs.index)
-                    (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-                    layout.write_atomic(out_dir / rel, data)
-                    files[rel] = [len(data), hashlib.sha256(data).hexdigest()]
-                journal.add(rs.index, row_keys[rs.index], files)
+                writer.put(rs, ids, mask, row_keys[rs.index])
                 tokens += len(ids)
     wall = time.monotonic() - t0
     if todo:
@@ -248,6 +231,67 @@ def run_shard(
     text = json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n"
     layout.write_atomic(out_dir / layout.MANIFEST, text.encode())
     return manifest, Work(rows=len(todo), tokens=tokens, seconds=round(wall, 3))
+
+
+class RowWriter:
+    """Writes rows' files and journal lines on one background thread, in the order given,
+    while the backend computes the next batch: serializing, hashing and fsyncing a batch's
+    files overlaps the next forward instead of adding to it (the forward releases the GIL).
+    At most `max_tokens` tokens' states wait (one batch's worth; at least one row), so host
+    memory stays at about two batches. A write's error is raised by the next `put` or on
+    exit; on exit every row given is written and journaled first."""
+
+    def __init__(self, out_dir: Path, journal: Journal, layouts, max_tokens: int):
+        self.out_dir, self.journal, self.layouts = out_dir, journal, tuple(layouts)
+        self.max_tokens = max_tokens
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hs-writer")
+        self._pending: deque = deque()  # (future, tokens), oldest first
+        self._tokens = 0
+
+    def __enter__(self) -> RowWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            while self._pending:
+                self._wait_oldest()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def put(self, rs, ids, mask, key: str) -> None:
+        n = len(ids)
+        while self._pending and self._tokens + n > self.max_tokens:
+            self._wait_oldest()
+        self._pending.append((self._pool.submit(self._write, rs, ids, mask, key), n))
+        self._tokens += n
+
+    def _wait_oldest(self) -> None:
+        future, n = self._pending.popleft()
+        self._tokens -= n
+        future.result()
+
+    def _write(self, rs, ids, mask, key: str) -> None:
+        import torch
+
+        files = {}
+        for lay in self.layouts:
+            t_ids = torch.from_numpy(ids.copy())
+            if lay == "speculators":
+                data = layout.speculators_bytes(t_ids, rs.states)
+            else:
+                n, h = rs.states.shape[1], rs.states.shape[2]
+                aux = rs.states[:, :-1].reshape(-1, (n - 1) * h)
+                data = layout.specforge_bytes(
+                    t_ids,
+                    torch.from_numpy(mask.copy()),
+                    rs.normed_last().unsqueeze(0),
+                    aux.unsqueeze(0),
+                )
+            rel = layout.row_path(lay, rs.index)
+            (self.out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+            layout.write_atomic(self.out_dir / rel, data)
+            files[rel] = [len(data), hashlib.sha256(data).hexdigest()]
+        self.journal.add(rs.index, key, files)
 
 
 @dataclass(frozen=True)

@@ -155,18 +155,18 @@ class VLLMBackend:
             os.unlink(lock)
         if data["token_ids"].tolist() != ids:
             raise RuntimeError(f"row {index}: the server's token_ids differ from the row's")
-        states = data["hidden_states"]
-        last = states[:, -1]
-        return RowStates(
-            index=index,
-            states=states.contiguous(),
-            normed_last=rms_norm(last, self.weight.to(last.dtype), self.eps),
-        )
+        states = data["hidden_states"].contiguous()
+        return RowStates(index=index, states=states, norm=self._norm)
 
-    def run(self, rows: dict[int, list[int]], todo, batch_tokens: int, max_rows: int):
-        """RowStates of the rows in `todo`, in row order, `max_rows` requests in flight."""
+    def _norm(self, last):
+        return rms_norm(last, self.weight.to(last.dtype), self.eps)
+
+    def run(self, rows: dict[int, list[int]], todo, batch_tokens: int, max_rows):
+        """RowStates of the rows in `todo`, in row order, `max_rows` requests in flight
+        ("auto": 16; the server batches them)."""
         order = sorted(todo)
-        with ThreadPoolExecutor(max_workers=max_rows) as pool:
+        in_flight = 16 if max_rows == "auto" else int(max_rows)
+        with ThreadPoolExecutor(max_workers=in_flight) as pool:
             futures = [
                 pool.submit(self._one, self.urls[k % len(self.urls)], i, rows[i])
                 for k, i in enumerate(order)
