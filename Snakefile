@@ -32,6 +32,7 @@ localrules:
     write_provenance,
     compare_with_manifest,
     hidden_states_training_folder,
+    hidden_states_category_folder,
 
 
 rule all:

@@ -181,16 +181,29 @@ def test_specforge_reads_every_file_and_runs_a_training_step(stage_out, model8, 
 
 
 @pytest.fixture(scope="module")
-def training_folder(model8, tmp_path_factory):  # noqa: F811
-    """The run's training folder over three shards of two categories (12 rows)."""
-    from test_hidden_states_training import SHARDS, folder_cmd, manifests, run_shard
+def training_shards(model8, tmp_path_factory):  # noqa: F811
+    """Three shards of two categories (12 rows), as the stage writes them."""
+    from test_hidden_states_training import SHARDS, run_shard
 
     tmp = tmp_path_factory.mktemp("hs_training_trainers")
-    rows = []
+    rows = {}
     for seed, (c, s, n) in enumerate(SHARDS):
-        rows += run_shard(tmp, model8, c, s, n, seed)
-    out = tmp / "hidden_states" / "all"
-    p = folder_cmd(out, manifests(tmp))
+        rows[(c, s)] = run_shard(tmp, model8, c, s, n, seed)
+    return tmp, rows
+
+
+@pytest.fixture(scope="module", params=["all", "c1"])
+def training_folder(request, training_shards):
+    """The run's training folder over all three shards (12 rows), or category c1's over its
+    two (9 rows)."""
+    from test_hidden_states_training import SHARDS, folder_cmd, manifests
+
+    tmp, by_shard = training_shards
+    category = None if request.param == "all" else request.param
+    which = [x for x in SHARDS if category in (None, x[0])]
+    rows = [ids for c, s, _ in which for ids in by_shard[(c, s)]]
+    out = tmp / "hidden_states" / ("all" if category is None else f"{category}/all")
+    p = folder_cmd(out, manifests(tmp, which), category=category)
     assert p.returncode == 0, p.stdout + p.stderr
     return out, rows
 
@@ -201,7 +214,7 @@ def test_speculators_reads_every_row_of_the_training_folder(training_folder, tmp
 
     out, rows = training_folder
     loaded = run_checker("speculators", {"data": str(out / "speculators")}, tmp_path)
-    assert len(loaded) == len(rows) == 12
+    assert len(loaded) == len(rows) == (12 if out.parent.name == "hidden_states" else 9)
     for i, item in enumerate(loaded):  # row i of the run, its states from its shard's file
         assert item["input_ids"].tolist() == rows[i]
         hs = load_file(out / layout.speculators_path(i))["hidden_states"]
@@ -212,8 +225,8 @@ def test_speculators_reads_every_row_of_the_training_folder(training_folder, tmp
 def test_specforge_reads_every_row_of_the_training_folder(training_folder, tmp_path):
     out, rows = training_folder
     loaded = run_checker("specforge", {"data": str(out / "specforge")}, tmp_path)
-    assert len(loaded) == len(rows) == 12
+    assert len(loaded) == len(rows) == (12 if out.parent.name == "hidden_states" else 9)
     by_row = {int(Path(p).name.split("_")[1].split(".")[0]): v for p, v in loaded.items()}
-    assert sorted(by_row) == list(range(12))  # the folder's numbering, links as it found them
+    assert sorted(by_row) == list(range(len(rows)))  # the folder's numbering, as links
     for i, ids in enumerate(rows):
         assert by_row[i]["tensors"]["input_ids"].tolist() == ids

@@ -59,8 +59,9 @@ def manifests(tmp: Path, which=SHARDS) -> list[Path]:
     return [tmp / "hidden_states" / c / s / layout.MANIFEST for c, s, _ in which]
 
 
-def folder_cmd(out: Path, paths: list[Path]) -> subprocess.CompletedProcess:
+def folder_cmd(out: Path, paths: list[Path], category: str | None = None):
     cmd = [str(BIN / "tokenmill"), "hidden-states-folder", "--out", str(out), *map(str, paths)]
+    cmd += ["--category", category] if category else []
     return subprocess.run(cmd, env=tool_env(), capture_output=True, text=True, timeout=600)
 
 
@@ -150,3 +151,40 @@ def test_shards_of_other_layer_ids_cannot_share_a_folder(shards, model8, tmp_pat
     p = folder_cmd(other / "hidden_states" / "all", manifests(other, SHARDS[:2]))
     assert p.returncode == 1
     assert "differ from the first shard's" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_category_folder_numbers_its_own_shards_from_0(shards):
+    """hidden_states/c1/all/: c1's two shards only, rows 0..8, links one folder deeper into
+    c1's shard folders; verify's check passes, and another category's shard is refused."""
+    import datasets
+
+    tmp, rows = shards
+    out = tmp / "hidden_states" / "c1" / "all"
+    p = folder_cmd(out, manifests(tmp, SHARDS[:2]), category="c1")
+    assert p.returncode == 0, p.stdout + p.stderr
+    m = contracts.HiddenStatesTrainingManifest.read(out / layout.MANIFEST)
+    assert m.category == "c1" and m.rows == 9
+    assert [(s.shard, s.first) for s in m.shards] == [("000", 0), ("001", 5)]
+    i = 0
+    for c, s, n in SHARDS[:2]:
+        for j in range(n):
+            for lay in ("speculators", "specforge"):
+                link = out / layout.row_path(lay, i)
+                target = os.readlink(link)
+                assert not os.path.isabs(target) and f"/c1/{s}/" in f"/{target}"
+                own = tmp / "hidden_states" / c / s / layout.row_path(lay, j)
+                assert link.resolve() == own.resolve()
+            i += 1
+    ds = datasets.load_from_disk(str(out / "speculators"))
+    assert [r.tolist() for r in ds["input_ids"]] == rows[("c1", "000")] + rows[("c1", "001")]
+    assert training.problems(out) == []
+    # a link into the other shard's file is caught, as in the run's folder
+    link = out / layout.row_path("speculators", 0)
+    link.unlink()
+    link.symlink_to(os.readlink(out / layout.row_path("speculators", 5)))
+    assert any(f.startswith("link differs: speculators/") for f in training.problems(out))
+    assert folder_cmd(out, manifests(tmp, SHARDS[:2]), category="c1").returncode == 0
+    assert training.problems(out) == []
+    # c2's shard in c1's folder: refused, naming both
+    p = folder_cmd(out, manifests(tmp), category="c1")
+    assert p.returncode == 1 and "a shard of c2, not of c1" in p.stderr, p.stderr

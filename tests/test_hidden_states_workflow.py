@@ -40,7 +40,8 @@ def hs_run(demo_workdir, tmp_path_factory):
     # The demo model has 2 layers: aux ids 0 and 1, then L = 2 (before the final norm); two
     # auxiliary layers are not an EAGLE-3 drafter's three, so the config says so.
     config["hidden_states"] = {"enabled": True, "layers": [0, 1, 2], "drafter": "other",
-                               "layouts": ["speculators", "specforge"]}  # fmt: skip
+                               "layouts": ["speculators", "specforge"],
+                               "category_folders": True}  # fmt: skip
     (work / "hs.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     plan = tokenmill(work, "plan", "--configfile", "hs.yaml", "--json")
     assert plan.returncode == 0, plan.stderr
@@ -57,9 +58,14 @@ def test_only_the_new_jobs_and_the_reports_run(hs_run):
     assert "extract_hidden_states" in ran
     assert not ran & {"prepare_prompts", "tokenize_prompts", "generate_shard", "merge_shard"}
     shards = sorted((work / "results" / "dataset").glob("*/*.parquet"))
-    manifests = sorted((work / "results" / "hidden_states").glob("*/*/manifest.json"))
+    manifests = shard_manifests(work / "results")
     assert len(manifests) == len(shards) > 0
-    assert "hidden_states_training_folder" in ran
+    assert "hidden_states_training_folder" in ran and "hidden_states_category_folder" in ran
+
+
+def shard_manifests(results: Path, category: str = "*") -> list[Path]:
+    """The shard folders' manifests (hidden_states/C/S/, S digits; not C/all/)."""
+    return sorted((results / "hidden_states").glob(f"{category}/[0-9]*/manifest.json"))
 
 
 def test_plan_bytes_match_what_was_written(hs_run):
@@ -70,10 +76,7 @@ def test_plan_bytes_match_what_was_written(hs_run):
     results = work / "results"
     for row in est["categories"]:
         assert row["tokens_from"] == "merged shards"  # the demo run had merged already
-        manifests = [
-            json.loads(m.read_text())
-            for m in sorted((results / "hidden_states" / row["category"]).glob("*/manifest.json"))
-        ]
+        manifests = [json.loads(m.read_text()) for m in shard_manifests(results, row["category"])]
         assert row["tokens"] == sum(m["tokens"] for m in manifests)
         nrows = sum(m["rows"] for m in manifests)
         # the formula counts the tensors; each file adds its container's header and alignment
@@ -99,12 +102,22 @@ def test_provenance_lists_every_file_and_verify_checks_them(hs_run, tmp_path):
     assert written and written <= listed and not links & listed
     rows = sum(m["rows"] for d, m in prov["hidden_states"].items())
     assert sum(1 for p in written if p.endswith(".safetensors")) == rows
-    # the training folder: every shard's rows, numbered from 0, as links (checked by verify)
+    # the training folders, the run's and each category's: every shard's rows, numbered from 0,
+    # as links (checked by verify)
+    per_category = {}
+    for d, m in prov["hidden_states"].items():
+        per_category[d.split("/")[1]] = per_category.get(d.split("/")[1], 0) + m["rows"]
+    wanted = {None: rows} | per_category
     assert {p for p in links if p.endswith(".safetensors")} == {
-        f"hidden_states/all/speculators/hidden_states/hs_{i}.safetensors" for i in range(rows)
+        f"hidden_states/{'all' if c is None else c + '/all'}/speculators/hidden_states/"
+        f"hs_{i}.safetensors"
+        for c, n in wanted.items()
+        for i in range(n)
     }
-    assert "hidden_states/all/manifest.json" in listed
-    assert "hidden_states/all/speculators/data-00000-of-00001.arrow" in listed
+    for c in wanted:
+        folder = "hidden_states/all" if c is None else f"hidden_states/{c}/all"
+        assert f"{folder}/manifest.json" in listed
+        assert f"{folder}/speculators/data-00000-of-00001.arrow" in listed
     ok = tokenmill(work, "verify", "results/provenance.json")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     copy = copy_run(results, tmp_path / "results")
@@ -129,7 +142,7 @@ def test_verify_repair_then_a_rerun_recomputes_only_the_changed_row(hs_run, tmp_
     snakemake command then recomputes that one row and verify passes."""
     work = copy_run(hs_run[0], tmp_path / "run")
     results = work / "results"
-    shard = sorted(p.parent for p in (results / "hidden_states").glob("*/*/manifest.json"))[0]
+    shard = shard_manifests(results)[0].parent
     victim = shard / "specforge" / "rows_0-2000" / "data_1.ckpt"
     good = victim.read_bytes()
     data = bytearray(good)
@@ -148,5 +161,29 @@ def test_verify_repair_then_a_rerun_recomputes_only_the_changed_row(hs_run, tmp_
     log = Path(lay.attempt_log("hidden_states", shard.parent.name, shard.name)).read_text()
     assert "already done, 1 to compute" in log
     assert victim.read_bytes() == good
+    ok = tokenmill(work, "verify", "results/provenance.json")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_turning_category_folders_off_retires_them_and_nothing_is_recomputed(hs_run, tmp_path):
+    work = copy_run(hs_run[0], tmp_path / "run")
+    results = work / "results"
+    config = yaml.safe_load((work / "hs.yaml").read_text())
+    config["hidden_states"]["category_folders"] = False
+    (work / "off.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    categories = sorted(config["categories"])
+    assert all((results / "hidden_states" / c / "all" / "manifest.json").is_file()
+               for c in categories)  # fmt: skip
+    proc = snakemake(work, "--configfile", "off.yaml")
+    assert proc.returncode == 0, failed(proc)
+    out = proc.stdout + proc.stderr
+    assert "extract_hidden_states" not in out and "hidden_states_training_folder" not in out
+    for c in categories:
+        assert not (results / "hidden_states" / c / "all").exists(), c
+        assert (results / "retired" / "hidden_states" / c / "all" / "manifest.json").is_file()
+    assert (results / "hidden_states" / "all" / "manifest.json").is_file()
+    prov = json.loads((results / "provenance.json").read_text())
+    assert not [e["path"] for e in prov["outputs"] if e["path"].endswith("/all/manifest.json")
+                and e["path"] != "hidden_states/all/manifest.json"]  # fmt: skip
     ok = tokenmill(work, "verify", "results/provenance.json")
     assert ok.returncode == 0, ok.stdout + ok.stderr

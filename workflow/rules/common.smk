@@ -241,6 +241,14 @@ def hidden_states_json(wildcards=None):
     return json.dumps(outputs_config(SETTINGS).get("hidden_states"), sort_keys=True)
 
 
+def category_hidden_states_manifests(wildcards):
+    """The hidden-state shard manifests of one category, in shard order."""
+    return [
+        LAYOUT.hidden_states_manifest(wildcards.category, s)
+        for s in DECLARED[wildcards.category]
+    ]
+
+
 def hidden_states_model(wildcards=None):
     return SETTINGS.hidden_states.model or SETTINGS.generation.model
 

@@ -57,3 +57,18 @@ rule hidden_states_training_folder:
     shell:
         'tokenmill hidden-states-folder --out "$(dirname {output.manifest:q})"'
         " {input.manifests:q} > {log:q} 2>&1"
+
+
+# With hidden_states.category_folders: the same over one category's shards, hidden_states/C/all/.
+rule hidden_states_category_folder:
+    input:
+        manifests=category_hidden_states_manifests,
+    output:
+        manifest=LAYOUT.hidden_states_training_manifest("{category}"),
+    log:
+        LAYOUT.log("hidden_states_training", "{category}"),
+    conda:
+        "../../envs/hidden_states.yaml"
+    shell:
+        "tokenmill hidden-states-folder --category {wildcards.category:q}"
+        ' --out "$(dirname {output.manifest:q})" {input.manifests:q} > {log:q} 2>&1'

@@ -937,8 +937,9 @@ class TrainingShard(Record):
 @dataclass(frozen=True)
 class HiddenStatesTrainingManifest(Record):
     """hidden_states/all/manifest.json, written last: the run's one training folder per layout
-    (hidden_states/training.py). Its row files are relative links into the shard folders
-    (shards in declared order); rows_files are the speculators rows folder's own files."""
+    (hidden_states/training.py), or hidden_states/C/all/manifest.json, category C's. Its row
+    files are relative links into the shard folders (shards in declared order); rows_files are
+    the speculators rows folder's own files."""
 
     SCHEMA: ClassVar[str] = "tokenmill.hidden_states_training/1"
     rows: int
@@ -948,6 +949,7 @@ class HiddenStatesTrainingManifest(Record):
     dtype: str
     shards: list[TrainingShard]
     rows_files: list[ManifestFile]
+    category: str | None = None  # the category whose folder this is; None: the run's
 
 
 # ---------------------------------------------------------------------- the statistics

@@ -27,6 +27,8 @@ renamed category, a shard above a lowered count, an older layout's file) is
       hidden_states/{category}/{shard}.job.json    its job record
       hidden_states/all/                           the run's one training folder per layout:
                                                    links to the shard files, manifest.json last
+      hidden_states/{category}/all/                the same over one category's shards
+                                                   (hidden_states.category_folders)
       tokenizer/token_facts.json, stats/, provenance.json, report.html
       logs/, benchmarks/                           per job (not published)
       retired/                                     what the config no longer declares (not read)
@@ -178,12 +180,16 @@ class Layout:
     def hidden_states_manifest(self, category: str, shard: str) -> str:
         return self._r("hidden_states", category, shard, HIDDEN_STATES_MANIFEST)
 
-    def hidden_states_training_dir(self) -> str:
-        """The run's training folder (hidden_states/training.py), beside the shard folders."""
-        return self._r("hidden_states", HIDDEN_STATES_TRAINING)
+    def hidden_states_training_dir(self, category: str | None = None) -> str:
+        """The run's training folder (hidden_states/training.py), beside the category folders,
+        or a category's (hidden_states.category_folders), beside its shard folders (shard
+        names are digits)."""
+        if category is None:
+            return self._r("hidden_states", HIDDEN_STATES_TRAINING)
+        return self._r("hidden_states", category, HIDDEN_STATES_TRAINING)
 
-    def hidden_states_training_manifest(self) -> str:
-        return self._r("hidden_states", HIDDEN_STATES_TRAINING, HIDDEN_STATES_MANIFEST)
+    def hidden_states_training_manifest(self, category: str | None = None) -> str:
+        return os.path.join(self.hidden_states_training_dir(category), HIDDEN_STATES_MANIFEST)
 
     def hidden_states_record(self, category: str, shard: str) -> str:
         """The hidden_states job's record (contracts.HiddenStatesJobRecord)."""
@@ -367,8 +373,7 @@ def published_files(layout: Layout, settings, tokenized_dirs: bool = False) -> l
         for shard in shards:
             files += shard_files(layout, category, shard, settings)
     files += [layout.token_facts(), layout.all_counts()]
-    if settings.hidden_states.enabled:
-        files.append(layout.hidden_states_training_manifest())
+    files += [layout.hidden_states_training_manifest(c) for c in training_folders(settings)]
     files += vocab_files(layout, settings)
     return files + stats_files(layout) + [layout.card()]
 
@@ -403,9 +408,17 @@ def published_dirs(layout: Layout, settings) -> list[str]:
         out.append(layout.tokenized_dir(category))
         if settings.hidden_states.enabled:
             out += [layout.hidden_states_dir(category, s) for s in shards]
-    if settings.hidden_states.enabled:
-        out.append(layout.hidden_states_training_dir())
+    out += [layout.hidden_states_training_dir(c) for c in training_folders(settings)]
     return out
+
+
+def training_folders(settings) -> list[str | None]:
+    """The hidden-states training folders the run builds, by category (None: the run's own,
+    then each category's with hidden_states.category_folders); [] without the stage."""
+    hs = settings.hidden_states
+    if not hs.enabled:
+        return []
+    return [None] + (list(declared(settings)) if hs.category_folders else [])
 
 
 def undeclared(layout: Layout, settings) -> list[str]:

@@ -416,8 +416,9 @@ class HiddenStatesSettings(_Section):
     layers: tuple[int, ...] | None  # None: the default ids for the model's layer count
     drafter: str  # eagle3 (three auxiliary ids) | other (any number)
     layouts: tuple[str, ...]
+    category_folders: bool  # a training folder per category too
     batch_tokens: int
-    max_batch_rows: int
+    max_batch_rows: int | str  # a count, or "auto" (hf.batch_rows resolves it)
     device: str
     mode: str
     launch: HiddenStatesLaunchSettings = _nested(HiddenStatesLaunchSettings)

@@ -1,7 +1,10 @@
-"""`tokenmill hidden-states-folder`: the run's one training folder per layout, from its shards.
+"""`tokenmill hidden-states-folder`: the run's one training folder per layout, from its shards
+(and, with hidden_states.category_folders, one per category).
 
     tokenmill hidden-states-folder --out results/hidden_states/all \
         results/hidden_states/C/000/manifest.json ...   (the shard manifests, in declared order)
+    tokenmill hidden-states-folder --category C --out results/hidden_states/C/all \
+        results/hidden_states/C/000/manifest.json ...   (the category's shards)
 
 A trainer reads one folder: speculators' `--data-path` is a rows folder whose row i has its
 states in `hidden_states/hs_{i}.safetensors`, numbered from 0; SpecForge reads a
@@ -14,6 +17,8 @@ this one numbers the rows of all of them in the order given (categories, then sh
     all/specforge/rows_{g}-{g+2000}/data_{i}.ckpt
         -> ../../../C/S/specforge/rows_{h}-{h+2000}/data_{j}.ckpt
     all/manifest.json                    written last (contracts.HiddenStatesTrainingManifest)
+
+A category's folder, C/all/, is the same over C's shards only (links one "../" deeper).
 
 The row files are relative symbolic links, never copies: the folder costs the rows' token ids
 and one inode per row and layout, and it moves with the results folder. A rebuild (a shard
@@ -45,16 +50,28 @@ class TrainingFolderError(ValueError):
     """Shards that cannot share one folder (other layer ids, dtype or layouts)."""
 
 
+def _depth(category: str | None) -> int:
+    """Folders between a training folder and hidden_states/: the run's is hidden_states/all/
+    (1), a category's hidden_states/C/all/ (2)."""
+    return 1 if category is None else 2
+
+
+def hidden_states_root(out: Path, category: str | None) -> Path:
+    """hidden_states/, where the shard folders C/S/ are, from the training folder `out` of the
+    run (category None) or of a category."""
+    return Path(out).parents[_depth(category) - 1]
+
+
 def wanted_links(out: Path, manifest: contracts.HiddenStatesTrainingManifest):
     """(link path relative to `out`, its target text) of every row file the manifest
-    describes, one at a time (a run's millions of rows are never held at once). `out` is
-    hidden_states/all/, beside the shard folders hidden_states/C/S/: a link k folders below
-    `out` reaches them with k + 1 "../"."""
+    describes, one at a time (a run's millions of rows are never held at once). A link k
+    folders below `out` reaches hidden_states/ with k + depth "../", then C/S/."""
+    depth = _depth(manifest.category)
     for s in manifest.shards:
         for lay in manifest.layouts:
             for j in range(s.rows):
                 rel = layout.row_path(lay, s.first + j)
-                up = "../" * (rel.count("/") + 1)
+                up = "../" * (rel.count("/") + depth)
                 yield rel, f"{up}{s.category}/{s.shard}/{layout.row_path(lay, j)}"
 
 
@@ -163,17 +180,24 @@ def _write_rows(out: Path, shard_dirs: list[tuple[Path, int]], fingerprint: str)
     return [f"{ROWS_DIR}/{n}" for n in sorted(names)]
 
 
-def build(out: Path, shard_manifests: list[Path]) -> contracts.HiddenStatesTrainingManifest:
-    """The training folder `out` over the shards whose manifests are given, in that order."""
+def build(
+    out: Path, shard_manifests: list[Path], category: str | None = None
+) -> contracts.HiddenStatesTrainingManifest:
+    """The training folder `out` over the shards whose manifests are given, in that order:
+    the run's (hidden_states/all/) or, given `category`, that category's (hidden_states/C/all/,
+    its shards only)."""
     out = Path(out)
     if not shard_manifests:
         raise TrainingFolderError("no hidden-state shards to put in a training folder")
     shards, first, tokens, keys = [], 0, 0, []
     base = None
+    root = hidden_states_root(out, category)
     for path in map(Path, shard_manifests):
         m = contracts.HiddenStatesManifest.read(path)
-        if path.parent != out.parent / m.category / m.shard:  # the layout's shard folder
-            raise TrainingFolderError(f"{path}: not beside {out} (hidden_states/C/S/)")
+        if path.parent != root / m.category / m.shard:  # the layout's shard folder
+            raise TrainingFolderError(f"{path}: not a shard folder of {root} (C/S/)")
+        if category is not None and m.category != category:
+            raise TrainingFolderError(f"{path}: a shard of {m.category}, not of {category}")
         shape = (m.layouts, m.layer_ids, m.dtype)
         if base is None:
             base = shape
@@ -197,13 +221,13 @@ def build(out: Path, shard_manifests: list[Path]) -> contracts.HiddenStatesTrain
     out.mkdir(parents=True, exist_ok=True)
     draft = contracts.HiddenStatesTrainingManifest(
         rows=first, tokens=tokens, layouts=list(layouts), layer_ids=list(layer_ids),
-        dtype=dtype, shards=shards, rows_files=[],
+        dtype=dtype, shards=shards, rows_files=[], category=category,
     )  # fmt: skip
     made, removed = _relink(out, draft)
     rows_key = hashlib.sha256("".join(keys).encode()).hexdigest()[:32]
     rows_files = old.rows_files if old is not None and _same_rows(old, draft, out) else None
     if "speculators" in layouts and rows_files is None:
-        dirs = [(out.parent / s.category / s.shard, s.rows) for s in shards]
+        dirs = [(root / s.category / s.shard, s.rows) for s in shards]
         names = _write_rows(out, dirs, rows_key)
         rows_files = [
             contracts.ManifestFile(
@@ -249,9 +273,10 @@ def problems(out: Path) -> list[str]:
     link the manifest does not describe, a rows file missing or changed."""
     out = Path(out)
     manifest = contracts.HiddenStatesTrainingManifest.read(out / layout.MANIFEST)
+    root = hidden_states_root(out, manifest.category)
     found = []
     for s in manifest.shards:
-        shard_manifest = out.parent / s.category / s.shard / layout.MANIFEST
+        shard_manifest = root / s.category / s.shard / layout.MANIFEST
         if not shard_manifest.is_file():
             found.append(f"missing: shard {s.category}/{s.shard} ({shard_manifest})")
         elif contracts.sha256_file(shard_manifest) != s.manifest_sha256:
@@ -283,11 +308,15 @@ def main(argv: list[str]) -> int:
         prog="tokenmill hidden-states-folder", description=__doc__.split("\n")[0]
     )
     p.add_argument("--out", required=True, type=Path, help="the training folder")
+    p.add_argument(
+        "--category",
+        help="the folder is this category's, hidden_states/C/all/ (default: the run's)",
+    )
     p.add_argument("manifests", nargs="+", type=Path, help="shard manifests, in order")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
-        m = build(args.out, args.manifests)
+        m = build(args.out, args.manifests, args.category)
     except (TrainingFolderError, contracts.RecordError) as exc:
         print(f"tokenmill hidden-states-folder: {exc}", file=sys.stderr)
         return 1

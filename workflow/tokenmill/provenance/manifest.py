@@ -224,14 +224,16 @@ def _hidden_states_manifests(results: Path, config: Settings) -> dict:
 
 
 def _training_rows_files(results: Path, config: Settings) -> dict:
-    """{path: ManifestFile} of the training folder's rows files (its row files are links into
-    the shard folders, listed there; verify checks each link)."""
-    if not config.hidden_states.enabled:
-        return {}
+    """{path: ManifestFile} of the training folders' rows files (the run's, each category's;
+    their row files are links into the shard folders, listed there; verify checks each
+    link)."""
     lay = layout.Layout(str(results), config.journal_dir)
-    m = contracts.HiddenStatesTrainingManifest.read(lay.hidden_states_training_manifest())
-    folder = Path(lay.hidden_states_training_dir()).relative_to(results).as_posix()
-    return {f"{folder}/{f.path}": f for f in m.rows_files}
+    out = {}
+    for c in layout.training_folders(config):
+        m = contracts.HiddenStatesTrainingManifest.read(lay.hidden_states_training_manifest(c))
+        folder = Path(lay.hidden_states_training_dir(c)).relative_to(results).as_posix()
+        out |= {f"{folder}/{f.path}": f for f in m.rows_files}
+    return out
 
 
 def _hidden_states(manifests: dict) -> dict[str, contracts.HiddenStatesProvenance]:

@@ -47,24 +47,28 @@ def verify(
             continue
         bad.append(path)
     config = load_section(manifest.config.resolved, None)
-    training = _training_folder(d, listed, config)
-    if training is not None:  # its links, each against the shard file it must point at
-        rel = training.relative_to(d).as_posix()
-        found = hs_training.problems(training)
+    training = _training_folders(d, config)
+    for folder in training:  # its links, each against the shard file it must point at
+        rel = folder.relative_to(d).as_posix()
+        if f"{rel}/{layout.HIDDEN_STATES_MANIFEST}" not in listed:
+            continue
+        if not (folder / layout.HIDDEN_STATES_MANIFEST).is_file():
+            continue  # reported missing above
+        found = hs_training.problems(folder)
         errors += [f"{rel}: {p}" for p in found]
         bad += [rel + "/"] if found else []
     journal = _journal_inside(config)
-    warnings += [f"unexpected extra file: {rel}" for rel in extra_files(d, set(listed), journal)]
+    links = tuple(f"{f.relative_to(d).as_posix()}/" for f in training)
+    extra = extra_files(d, set(listed), journal, links)
+    warnings += [f"unexpected extra file: {rel}" for rel in extra]
     return errors, warnings
 
 
-def _training_folder(d: Path, listed, config) -> Path | None:
-    """The hidden-states training folder when the manifest lists it and it is here."""
+def _training_folders(d: Path, config) -> list[Path]:
+    """The hidden-states training folders the config declares (the run's, each category's),
+    in the copy being checked."""
     here = layout.Layout(str(d), config.journal_dir)
-    manifest = Path(here.hidden_states_training_manifest())
-    if manifest.relative_to(d).as_posix() not in listed or not manifest.is_file():
-        return None
-    return manifest.parent
+    return [Path(here.hidden_states_training_dir(c)) for c in layout.training_folders(config)]
 
 
 def _journal_inside(config) -> str | None:
@@ -76,24 +80,25 @@ def _journal_inside(config) -> str | None:
     return None
 
 
-def extra_files(directory: Path, listed: set[str], journal: str | None = None) -> list[str]:
+def extra_files(
+    directory: Path, listed: set[str], journal: str | None = None, training: tuple[str, ...] = ()
+) -> list[str]:
     """Files in `directory` that the manifest does not list: the copy being checked is listed
     here, whatever its origin. Not counted: the provenance files, the report, hidden files, the
     run's logs, benchmarks and retired files (layout.RUN_LOG_DIRS, layout.RETIRED_DIR) and a
-    journal kept inside the results folder."""
+    journal kept inside the results folder; nor the links in the `training` folders (relative,
+    ending in "/"), which are checked link by link."""
     if not directory.is_dir():
         return []
     skip = (*(f"{d}/" for d in layout.RUN_LOG_DIRS), f"{layout.RETIRED_DIR}/")
     skip += (f"{journal}/",) if journal else ()
     own = {MANIFEST_NAME, f"{layout.DATASET_DIR}/{MANIFEST_NAME}", layout.REPORT}
-    training = Path(layout.Layout(str(directory), "").hidden_states_training_dir())
-    training = training.relative_to(directory).as_posix() + "/"
     extra = []
     for p in sorted(directory.rglob("*")):
         rel = p.relative_to(directory).as_posix()
         if not p.is_file() or rel in listed or rel in own or rel.startswith(skip):
             continue
-        if p.is_symlink() and rel.startswith(training):  # checked link by link (see above)
+        if training and p.is_symlink() and rel.startswith(training):  # checked link by link
             continue
         if any(part.startswith(".") for part in rel.split("/")):
             continue
