@@ -250,6 +250,10 @@ def test_a_bad_hidden_states_config_fails_before_any_job_naming_the_key():
     with pytest.raises(ConfigError, match=r"hidden_states\.layouts"):
         check_config(copy.deepcopy(cfg), ROOT)
     cfg["hidden_states"] = {"enabled": True, "layers": [0, 1, 2], "drafter": "other",
+                            "layouts": ["specforge", "specforge-gzip"]}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"'hidden_states\.layouts': specforge and specforge-gz"):
+        check_config(copy.deepcopy(cfg), ROOT)
+    cfg["hidden_states"] = {"enabled": True, "layers": [0, 1, 2], "drafter": "other",
                             "resources": {"gpus": 2}}  # fmt: skip
     cfg["generation"]["resources"] = {"gpus": 8, "runtime_min": 100, "mem_mb": 1000}
     from tokenmill.hidden_states.stage import job_resources
@@ -454,7 +458,10 @@ def test_leftovers_and_rows_of_a_shrunk_shard_are_removed(model8, tmp_path):
     assert load_file(hs_dir / "hs_2.safetensors")["token_ids"].tolist() == rows[2]
 
 
-def test_the_row_writer_journals_only_written_rows_and_raises_a_failed_write(tmp_path, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_row_writer_journals_only_written_rows_and_raises_a_failed_write(
+    tmp_path, monkeypatch, threads
+):
     """Rows are written on the writer's thread while the caller goes on: a failed write is
     raised to the caller, every row journaled has its file with the journaled size, and the
     failed row is not journaled (the next run computes it)."""
@@ -478,7 +485,7 @@ def test_the_row_writer_journals_only_written_rows_and_raises_a_failed_write(tmp
     # the raise may come from a later put or from the exit: both are inside the block
     with (  # noqa: PT012
         pytest.raises(OSError, match="No space left"),
-        job.RowWriter(out, journal, ("speculators",), max_tokens=20) as writer,
+        job.RowWriter(out, journal, ("speculators",), max_tokens=20, threads=threads) as writer,
     ):
         for i in range(6):
             states = torch.full((10, 4, 8), float(i))
@@ -490,3 +497,42 @@ def test_the_row_writer_journals_only_written_rows_and_raises_a_failed_write(tmp
         for rel, (size, _sha) in rec["files"].items():
             assert (out / rel).stat().st_size == size, (i, rel)
     assert not (out / layout.row_path("speculators", 2)).exists()
+
+
+@pytest.mark.slow
+def test_specforge_gzip_rows_are_the_plain_rows_gzipped_and_deterministic(model8, tmp_path):
+    """layout specforge-gzip: data_{i}.ckpt.gz whose content is byte for byte the specforge
+    layout's data_{i}.ckpt; a second run writes the same bytes; a training folder links them."""
+    import gzip
+
+    from tokenmill.hidden_states import training
+
+    dataset = tmp_path / "dataset" / "c" / "000.parquet"
+    dataset.parent.mkdir(parents=True)
+    n = len(make_dataset(dataset, 5, lengths=(300, 600)))
+    outs = {}
+    for name, lays in (
+        ("plain", ["specforge"]),
+        ("gz", ["specforge-gzip"]),
+        ("gz2", ["specforge-gzip"]),
+    ):
+        out = tmp_path / name / "hidden_states" / "c" / "000"
+        run_stage(
+            tmp_path, stage_config(model8, layouts=lays), dataset, out, tmp_path / f"j-{name}"
+        )
+        outs[name] = out
+    ratios = []
+    for i in range(n):
+        plain = (outs["plain"] / layout.row_path("specforge", i)).read_bytes()
+        gz = (outs["gz"] / layout.row_path("specforge-gzip", i)).read_bytes()
+        assert layout.row_path("specforge-gzip", i).endswith(".ckpt.gz")
+        assert gzip.decompress(gz) == plain
+        assert (outs["gz2"] / layout.row_path("specforge-gzip", i)).read_bytes() == gz
+        ratios.append(len(gz) / len(plain))
+    print("gzip ratio (float32, model8):", [round(r, 3) for r in ratios])
+    assert all(r < 1 for r in ratios)
+    assert not list(outs["gz"].rglob("*.ckpt")) and job.verify_shard(outs["gz"]) == []
+    all_dir = outs["gz"].parent.parent / "all"
+    training.build(all_dir, [outs["gz"] / layout.MANIFEST])
+    assert (all_dir / layout.row_path("specforge-gzip", n - 1)).read_bytes() == gz
+    assert training.problems(all_dir) == []

@@ -230,3 +230,22 @@ def test_specforge_reads_every_row_of_the_training_folder(training_folder, tmp_p
     assert sorted(by_row) == list(range(len(rows)))  # the folder's numbering, as links
     for i, ids in enumerate(rows):
         assert by_row[i]["tensors"]["input_ids"].tolist() == ids
+
+
+def test_specforge_reads_the_gzipped_rows_as_the_plain_ones(stage_out, model8, tmp_path):  # noqa: F811
+    """layout specforge-gzip: SpecForge's own reader and feature loader read every .ckpt.gz,
+    and its tensors are the plain layout's, exactly."""
+    import torch
+
+    out, rows, _, _ = stage_out
+    gz_out = tmp_path / "gz"
+    config = stage_config(model8, layouts=["specforge-gzip"])
+    run_stage(tmp_path, config, out.parent / "000.parquet", gz_out, tmp_path / "journal")
+    loaded = run_checker("specforge", {"data": str(gz_out / "specforge")}, tmp_path)
+    assert len(loaded) == len(rows)
+    for i in range(len(rows)):
+        got = loaded[str((gz_out / layout.row_path("specforge-gzip", i)).resolve())]
+        plain = torch.load(out / layout.specforge_path(i), weights_only=True)
+        assert set(got["tensors"]) == set(plain)
+        for k, v in plain.items():
+            assert torch.equal(got["tensors"][k], v), (i, k)

@@ -275,6 +275,9 @@ def hidden_states_problems(s: Settings, base: Path) -> list[str]:
     from tokenmill.hidden_states import layout, stage
 
     problems = stage.backend_problems(s)
+    conflict = layout.folder_conflicts(hs.layouts)
+    if conflict:
+        problems.append(f"config key 'hidden_states.layouts': {conflict}")
     try:
         stage.plan_layers(s, base)
     except layout.LayoutError as exc:

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -77,13 +78,16 @@ class Journal:
             contracts_tmp.write_text(header + "\n")
             os.replace(contracts_tmp, path)
         self._fh = open(path, "a")  # noqa: SIM115 - closed by close()
+        self._lock = threading.Lock()
 
     def add(self, i: int, key: str, files: dict[str, list]) -> None:
+        """Append one row's line, fsynced (from any writer thread: one line at a time)."""
         rec = {"i": i, "key": key, "files": files}
-        self._fh.write(contracts.canonical_json(rec) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self.done[i] = rec
+        with self._lock:
+            self._fh.write(contracts.canonical_json(rec) + "\n")
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self.done[i] = rec
 
     def close(self) -> None:
         self._fh.close()
@@ -186,7 +190,9 @@ def run_shard(
         if todo:
             backend = backend_factory()
             stack.callback(backend.close)
-            writer = stack.enter_context(RowWriter(out_dir, journal, layouts, batch_tokens))
+            writer = stack.enter_context(
+                RowWriter(out_dir, journal, layouts, batch_tokens, writer_threads(layouts))
+            )
             all_ids = {i: r[0].tolist() for i, r in enumerate(rows)}
             for rs in backend.run(all_ids, todo, batch_tokens, max_batch_rows):
                 ids, mask = rows[rs.index]
@@ -233,18 +239,28 @@ def run_shard(
     return manifest, Work(rows=len(todo), tokens=tokens, seconds=round(wall, 3))
 
 
-class RowWriter:
-    """Writes rows' files and journal lines on one background thread, in the order given,
-    while the backend computes the next batch: serializing, hashing and fsyncing a batch's
-    files overlaps the next forward instead of adding to it (the forward releases the GIL).
-    At most `max_tokens` tokens' states wait (one batch's worth; at least one row), so host
-    memory stays at about two batches. A write's error is raised by the next `put` or on
-    exit; on exit every row given is written and journaled first."""
+def writer_threads(layouts) -> int:
+    """Threads writing rows: one, or for gzipped rows every CPU the job has but one (gzip makes
+    about 33 MB/s of a row's bytes per core, benchmarks/bench_ckpt_gzip.py, far below what a
+    GPU computes; zlib releases the GIL)."""
+    if not any(lay.endswith("gzip") for lay in layouts):
+        return 1
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
-    def __init__(self, out_dir: Path, journal: Journal, layouts, max_tokens: int):
+
+class RowWriter:
+    """Writes rows' files and journal lines on background threads (writer_threads) while the
+    backend computes the next batch: serializing, hashing and fsyncing a batch's files overlaps
+    the next forward instead of adding to it (the forward releases the GIL). A row's journal
+    line follows its files. At most `max_tokens` tokens' states wait (one batch's worth; at
+    least one row), so host memory stays at about two batches, and a slow writer holds the
+    forward back. A write's error is raised by the next `put` or on exit; on exit every row
+    given is written and journaled first."""
+
+    def __init__(self, out_dir: Path, journal: Journal, layouts, max_tokens: int, threads=1):
         self.out_dir, self.journal, self.layouts = out_dir, journal, tuple(layouts)
         self.max_tokens = max_tokens
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hs-writer")
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hs-writer")
         self._pending: deque = deque()  # (future, tokens), oldest first
         self._tokens = 0
 
@@ -286,6 +302,7 @@ class RowWriter:
                     torch.from_numpy(mask.copy()),
                     rs.normed_last().unsqueeze(0),
                     aux.unsqueeze(0),
+                    gzipped=lay == "specforge-gzip",
                 )
             rel = layout.row_path(lay, rs.index)
             (self.out_dir / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,9 @@ complete data folder for either trainer:
                                       torch.save dict: input_ids [seq], loss_mask [seq] (int64),
                                       hidden_state [1, seq, H] = final norm of layer L,
                                       aux_hidden_state [1, seq, (n-1)H] (the aux layers in order)
+    specforge/rows_{g}-{g+2000}/data_{i}.ckpt.gz
+                                      layout specforge-gzip: the same bytes gzipped (SpecForge
+                                      reads .ckpt.gz too), level 1, no name or date in the header
     manifest.json                     the completion marker: every file's size and sha256
 
 Every value is in the model's dtype. Files are byte-deterministic: safetensors sorts its header,
@@ -30,6 +33,7 @@ This module imports no torch at module level: `tokenmill plan` uses the byte for
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import os
@@ -40,7 +44,10 @@ from tokenmill import layout as run_layout
 from tokenmill import model as model_files
 from tokenmill.contracts import atomic_path
 
-LAYOUTS = ("speculators", "specforge")
+LAYOUTS = ("speculators", "specforge", "specforge-gzip")
+# specforge-gzip: SpecForge's rows gzipped; gzip level 1 (level 6 saved under 1 % more on bf16
+# activations at a third of the speed: benchmarks/bench_ckpt_gzip.py)
+GZIP_LEVEL = 1
 SPECFORGE_GROUP = 2000  # SpecForge's rows_{g}-{g+2000} folders
 MANIFEST = run_layout.HIDDEN_STATES_MANIFEST  # contracts.HiddenStatesManifest
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -139,7 +146,7 @@ def resolve_layers(layers, num_layers: int, drafter: str = "eagle3") -> list[int
 def bytes_per_token(layout: str, n_layers: int, hidden_size: int, dtype_bytes: int) -> int:
     """Tensor bytes per token (headers and the rows folder not counted): speculators stores
     n layers and token_ids (int64); SpecForge (n-1) aux layers, the normed last, input_ids and
-    loss_mask (int64 each)."""
+    loss_mask (int64 each). For specforge-gzip, the bytes before gzip: an upper bound."""
     states = n_layers * hidden_size * dtype_bytes
     return states + (8 if layout == "speculators" else 16)
 
@@ -148,13 +155,28 @@ def speculators_path(i: int) -> str:
     return f"speculators/hidden_states/hs_{i}.safetensors"
 
 
-def specforge_path(i: int) -> str:
+def specforge_path(i: int, gzipped: bool = False) -> str:
     g = i // SPECFORGE_GROUP * SPECFORGE_GROUP
-    return f"specforge/rows_{g}-{g + SPECFORGE_GROUP}/data_{i}.ckpt"
+    return f"specforge/rows_{g}-{g + SPECFORGE_GROUP}/data_{i}.ckpt" + (".gz" if gzipped else "")
 
 
 def row_path(layout: str, i: int) -> str:
-    return speculators_path(i) if layout == "speculators" else specforge_path(i)
+    if layout == "speculators":
+        return speculators_path(i)
+    return specforge_path(i, gzipped=layout == "specforge-gzip")
+
+
+def folder(layout: str) -> str:
+    """The folder a layout's files are in, in a shard folder or a training folder."""
+    return "speculators" if layout == "speculators" else "specforge"
+
+
+def folder_conflicts(layouts) -> str | None:
+    """Why these layouts cannot be written together (specforge and specforge-gzip share the
+    specforge/ folder and SpecForge would read both), or None."""
+    if {"specforge", "specforge-gzip"} <= set(layouts):
+        return "specforge and specforge-gzip write the same rows into specforge/: pick one"
+    return None
 
 
 def row_index(rel: str) -> int | None:
@@ -176,8 +198,9 @@ def speculators_bytes(token_ids, hidden_states) -> bytes:
     return save({"token_ids": token_ids.contiguous(), "hidden_states": hidden_states.contiguous()})
 
 
-def specforge_bytes(input_ids, loss_mask, hidden_state, aux_hidden_state) -> bytes:
-    """SpecForge's offline row: a torch.save dict, written to memory (deterministic bytes)."""
+def specforge_bytes(input_ids, loss_mask, hidden_state, aux_hidden_state, gzipped=False) -> bytes:
+    """SpecForge's offline row: a torch.save dict, written to memory (deterministic bytes);
+    gzipped at GZIP_LEVEL with mtime 0 and no file name (deterministic too) for .ckpt.gz."""
     import torch
 
     buf = io.BytesIO()
@@ -190,6 +213,8 @@ def specforge_bytes(input_ids, loss_mask, hidden_state, aux_hidden_state) -> byt
         },
         buf,
     )
+    if gzipped:
+        return gzip.compress(buf.getbuffer(), compresslevel=GZIP_LEVEL, mtime=0)
     return buf.getvalue()
 
 

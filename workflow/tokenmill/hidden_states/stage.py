@@ -263,7 +263,10 @@ def format_estimate(est: dict | None) -> list[str]:
     lays = list(est["bytes_per_token"])
     lines = [
         f"hidden_states: layers {est['layer_ids']}, H {est['hidden_size']}, {est['dtype']}; "
-        + ", ".join(f"{lay} {n} B/token" for lay, n in est["bytes_per_token"].items())
+        + ", ".join(
+            f"{lay} {n} B/token" + (" before gzip (at most)" if lay.endswith("gzip") else "")
+            for lay, n in est["bytes_per_token"].items()
+        )
     ]
     for r in est["categories"]:
         sizes = ", ".join(f"{lay} {_size(r['bytes'][lay])} ({r['bytes'][lay]} B)" for lay in lays)

@@ -78,7 +78,7 @@ def wanted_links(out: Path, manifest: contracts.HiddenStatesTrainingManifest):
 def _links_past(out: Path, layouts, rows: int):
     """Our links that are no row below `rows` (the run shrank, or a name we do not make)."""
     for lay in layouts:
-        root = os.path.join(out, lay)
+        root = os.path.join(out, layout.folder(lay))
         for dirpath, _dirs, names in os.walk(root):
             rel_dir = os.path.relpath(dirpath, out).replace(os.sep, "/")
             for name in names:
@@ -117,7 +117,9 @@ def _relink(out: Path, manifest) -> tuple[int, int]:
     for rel in stale:
         os.unlink(f"{base}/{rel}")
     for lay in manifest.layouts:  # folders left empty (a rows_ group past the last row)
-        for dirpath, _dirs, _names in os.walk(os.path.join(base, lay), topdown=False):
+        for dirpath, _dirs, _names in os.walk(
+            os.path.join(base, layout.folder(lay)), topdown=False
+        ):
             if not os.listdir(dirpath):
                 os.rmdir(dirpath)
     return made, len(stale)
