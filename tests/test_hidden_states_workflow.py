@@ -101,6 +101,11 @@ def test_provenance_lists_every_file_and_verify_checks_them(hs_run, tmp_path):
     links = {p.relative_to(results).as_posix() for p in files if p.is_symlink()}
     assert written and written <= listed and not links & listed
     rows = sum(m["rows"] for d, m in prov["hidden_states"].items())
+    # every GPU job is in `jobs`: generate's, then the stage's, each with its GPU-hours
+    stages = [(j["stage"], j["category"], j["shard"]) for j in prov["jobs"]]
+    shards = [tuple(d.split("/")[1:]) for d in prov["hidden_states"]]
+    assert stages == [("generate", *x) for x in shards] + [("hidden_states", *x) for x in shards]
+    assert all(j["gpu_hours"] == 0 and j["attempts"] >= 1 for j in prov["jobs"])  # CPU here
     assert sum(1 for p in written if p.endswith(".safetensors")) == rows
     # the training folders, the run's and each category's: every shard's rows, numbered from 0,
     # as links (checked by verify)

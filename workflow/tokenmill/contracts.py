@@ -1215,6 +1215,7 @@ class JobProvenance(Record):
     end: str
     attempts: int
     gpu_hours: float
+    stage: str = "generate"  # or "hidden_states"
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ Schema "tokenmill.provenance/1" (keys sorted on disk):
                       api_key_env (the variable's NAME only, never its value)
     engine            [{category, shard, meta}] the generate job records
                       (contracts.GenerateJobRecord, redacted again)
-    jobs              [{category, shard, slurm_job_id, host, nodelist, start, end, attempts,
-                      gpu_hours}]: every attempt since the shard's previous record counted
+    jobs              [{stage (generate, hidden_states), category, shard, slurm_job_id, host,
+                      nodelist, start, end, attempts, gpu_hours}]: every attempt since the
+                      shard's previous record counted
     times             start, end (the first attempt's start, the last record's end)
     software          python, platform, packages {name: version or null}
     workflow          git_commit, dirty (null when basedir is not a git checkout)
@@ -236,6 +237,22 @@ def _training_rows_files(results: Path, config: Settings) -> dict:
     return out
 
 
+def _job(category: str, shard: str, record, stage: str) -> contracts.JobProvenance:
+    """One GPU job's line: where it ran, when, its attempts and their GPU-hours."""
+    return contracts.JobProvenance(
+        category=category,
+        shard=shard,
+        slurm_job_id=record.slurm.job_id,
+        nodelist=record.slurm.nodelist,
+        host=record.host,
+        start=record.start_time,
+        end=record.end_time,
+        attempts=len(record.attempts),
+        gpu_hours=round(record.gpu_s / 3600, 6),
+        stage=stage,
+    )
+
+
 def _hidden_states(manifests: dict) -> dict[str, contracts.HiddenStatesProvenance]:
     """Per shard folder: rows, tokens, bytes, layer ids, dtype, layouts, the stage fingerprint
     (the row files themselves are in `outputs`)."""
@@ -296,19 +313,11 @@ def build(
         engine.append(contracts.EngineProvenance(cat, shard, redact(record.to_json())))
         starts += [a.started for a in record.attempts]
         ends += [record.end_time]
-        jobs.append(
-            contracts.JobProvenance(
-                category=cat,
-                shard=shard,
-                slurm_job_id=record.slurm.job_id,
-                nodelist=record.slurm.nodelist,
-                host=record.host,
-                start=record.start_time,
-                end=record.end_time,
-                attempts=len(record.attempts),
-                gpu_hours=round(record.gpu_s / 3600, 6),
-            )
-        )
+        jobs.append(_job(cat, shard, record, "generate"))
+    if settings.hidden_states.enabled:  # the stage's GPU jobs, after every generate job
+        for cat, shard in ((c, s) for c, shards in declared.items() for s in shards):
+            record = contracts.HiddenStatesJobRecord.read(lay.hidden_states_record(cat, shard))
+            jobs.append(_job(cat, shard, record, "hidden_states"))
     outputs = list_outputs(results, settings)
     tok_fps = sorted(
         {
