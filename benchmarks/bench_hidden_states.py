@@ -207,8 +207,12 @@ def bytes_rows(manifest: dict, hidden: int) -> list[tuple]:
     n_layers = len(manifest["layer_ids"])
     out = []
     for lay in manifest["layouts"]:
-        prefix = "speculators/hidden_states/" if lay == "speculators" else "specforge/"
-        sizes = [f["size"] for f in manifest["files"] if f["path"].startswith(prefix)]
+        sizes = [
+            f["size"]
+            for f in manifest["files"]
+            if layout.row_index(f["path"]) is not None
+            and f["path"].startswith(layout.folder(lay) + "/")
+        ]  # the layout's row files, not the rows folder
         formula = layout.bytes_per_token(lay, n_layers, hidden, 4)
         out.append(
             (
@@ -217,7 +221,7 @@ def bytes_rows(manifest: dict, hidden: int) -> list[tuple]:
                 sum(sizes) / tokens,
                 formula,
                 # gzipped files are smaller than the formula: no header to tell
-                None if lay.endswith("gzip") else (sum(sizes) - formula * tokens) / len(sizes),
+                None if layout.is_gzipped(lay) else (sum(sizes) - formula * tokens) / len(sizes),
             )
         )
     return out

@@ -27,14 +27,10 @@ class RowStates:
     def normed_last(self):
         """[seq, H]: the final norm of layer L (the last configured id). Computed on request,
         by the writer, only for the layouts that store it."""
-        with torch_inference_mode():
+        import torch
+
+        with torch.inference_mode():
             return self.norm(self.states[:, -1])
-
-
-def torch_inference_mode():
-    import torch
-
-    return torch.inference_mode()
 
 
 def pick_device(device: str) -> str:

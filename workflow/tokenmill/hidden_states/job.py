@@ -243,7 +243,7 @@ def writer_threads(layouts) -> int:
     """Threads writing rows: one, or for gzipped rows every CPU the job has but one (gzip makes
     about 33 MB/s of a row's bytes per core, benchmarks/bench_ckpt_gzip.py, far below what a
     GPU computes; zlib releases the GIL)."""
-    if not any(lay.endswith("gzip") for lay in layouts):
+    if not any(layout.is_gzipped(lay) for lay in layouts):
         return 1
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
@@ -290,8 +290,8 @@ class RowWriter:
         import torch
 
         files = {}
+        t_ids = torch.from_numpy(ids.copy())
         for lay in self.layouts:
-            t_ids = torch.from_numpy(ids.copy())
             if lay == "speculators":
                 data = layout.speculators_bytes(t_ids, rs.states)
             else:
@@ -302,7 +302,7 @@ class RowWriter:
                     torch.from_numpy(mask.copy()),
                     rs.normed_last().unsqueeze(0),
                     aux.unsqueeze(0),
-                    gzipped=lay == "specforge-gzip",
+                    gzipped=layout.is_gzipped(lay),
                 )
             rel = layout.row_path(lay, rs.index)
             (self.out_dir / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -160,10 +160,15 @@ def specforge_path(i: int, gzipped: bool = False) -> str:
     return f"specforge/rows_{g}-{g + SPECFORGE_GROUP}/data_{i}.ckpt" + (".gz" if gzipped else "")
 
 
+def is_gzipped(layout: str) -> bool:
+    """Whether a layout's row files are gzipped (.ckpt.gz)."""
+    return layout == "specforge-gzip"
+
+
 def row_path(layout: str, i: int) -> str:
     if layout == "speculators":
         return speculators_path(i)
-    return specforge_path(i, gzipped=layout == "specforge-gzip")
+    return specforge_path(i, gzipped=is_gzipped(layout))
 
 
 def folder(layout: str) -> str:

@@ -264,7 +264,7 @@ def format_estimate(est: dict | None) -> list[str]:
     lines = [
         f"hidden_states: layers {est['layer_ids']}, H {est['hidden_size']}, {est['dtype']}; "
         + ", ".join(
-            f"{lay} {n} B/token" + (" before gzip (at most)" if lay.endswith("gzip") else "")
+            f"{lay} {n} B/token" + (" before gzip (at most)" if layout.is_gzipped(lay) else "")
             for lay, n in est["bytes_per_token"].items()
         )
     ]

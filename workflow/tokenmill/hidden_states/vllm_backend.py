@@ -40,6 +40,7 @@ from tokenmill.settings import GenerationSettings, Settings
 CONNECTOR = "CPUSafeHiddenStatesConnector"
 CONNECTOR_MODULE = "tokenmill.hidden_states.vllm_connector"
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent  # holds tokenmill/
+AUTO_IN_FLIGHT = 16  # max_batch_rows: auto; the server batches the requests in flight
 
 
 def launch_flags(layers: list[int], scratch: Path) -> list[str]:
@@ -165,7 +166,7 @@ class VLLMBackend:
         """RowStates of the rows in `todo`, in row order, `max_rows` requests in flight
         ("auto": 16; the server batches them)."""
         order = sorted(todo)
-        in_flight = 16 if max_rows == "auto" else int(max_rows)
+        in_flight = AUTO_IN_FLIGHT if max_rows == "auto" else int(max_rows)
         with ThreadPoolExecutor(max_workers=in_flight) as pool:
             futures = [
                 pool.submit(self._one, self.urls[k % len(self.urls)], i, rows[i])
